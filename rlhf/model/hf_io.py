@@ -1,0 +1,231 @@
+"""HF model directories: config.json, safetensors (one file or sharded with an index), tokenizer files.
+
+What we write is what released Qwen3-MoE checkpoints hold, so transformers and vLLM open it
+unchanged: per-expert tensor names (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, ...), a
+config.json with `model_type: qwen3_moe`. In memory our model keeps experts stacked (see
+`rlhf.model.qwen3_moe`); `to_hf_tensors` / `from_hf_tensors` convert between the two, bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlhf.config.schema import DType, ModelConfig
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+_TORCH_DTYPE = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    return _TORCH_DTYPE[cfg.dtype]
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json contents, in the keys released Qwen3-MoE checkpoints use."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.first_k_dense_layers)),
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": cfg.dtype.value,
+        "use_cache": True,
+    }
+
+
+def model_config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
+    """Read a Qwen3-MoE config.json back into our schema; refuses layouts we do not build."""
+    if d.get("model_type") != "qwen3_moe":
+        raise ValueError(f"config.json model_type={d.get('model_type')!r}: only qwen3_moe directories can be loaded")
+    dense = d.get("mlp_only_layers") or []
+    if dense != list(range(len(dense))) or d.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"config.json mlp_only_layers={dense}, decoder_sparse_step={d.get('decoder_sparse_step')}: "
+                         "only dense-first layers (0..k-1) with decoder_sparse_step 1 are supported")
+    rope = d.get("rope_parameters") or {}
+    return ModelConfig(
+        name=name,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        num_experts=d.get("num_experts") or d["num_local_experts"],
+        num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        norm_topk_prob=d.get("norm_topk_prob", False),
+        first_k_dense_layers=len(dense),
+        intermediate_size=d["intermediate_size"],
+        rms_norm_eps=d["rms_norm_eps"],
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        max_position_embeddings=d["max_position_embeddings"],
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        dtype=DType(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        bos_token_id=d.get("bos_token_id") or 0,
+        eos_token_id=d.get("eos_token_id") or 0,
+        pad_token_id=d.get("pad_token_id") or 0,
+    )
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> (HF checkpoint name, tensor) pairs; stacked experts become per-expert tensors."""
+    I = cfg.moe_intermediate_size
+    for name, t in state.items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        m = _STACKED.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, kind = m.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                yield f"{prefix}.{e}.gate_proj.weight", t[e, :I]
+                yield f"{prefix}.{e}.up_proj.weight", t[e, I:]
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+
+
+def from_hf_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """(HF name, tensor) pairs -> our state dict, stacking per-expert tensors. Every expert piece must come."""
+    state: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in tensors:
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            state[name] = t
+        else:
+            prefix, e, kind = m.groups()
+            pieces.setdefault(prefix, {})[(int(e), kind)] = t
+    for prefix, parts in pieces.items():
+        missing = [f"{prefix}.{e}.{k}.weight" for e in range(cfg.num_experts)
+                   for k in ("gate_proj", "up_proj", "down_proj") if (e, k) not in parts]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} expert tensors, e.g. {missing[:3]}")
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(cfg.num_experts)])
+        state[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(cfg.num_experts)])
+    if cfg.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    return state
+
+
+def save_pretrained(
+    model: Qwen3MoeForCausalLM,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write an HF model directory; shards above `max_shard_bytes` with a safetensors index."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+         "do_sample": False}, indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in to_hf_tensors(model.state_dict(), cfg):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().clone().contiguous()  # own storage: safetensors refuses shared tensors
+        size += nbytes
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for fname in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / fname
+            if src.is_file() and src.resolve() != (out / fname).resolve():
+                shutil.copyfile(src, out / fname)
+    return out
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every safetensors file in an HF directory, in index order."""
+    d = Path(model_dir)
+    if (d / INDEX_FILE).is_file():
+        files = sorted(set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
+    elif (d / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}; is this an HF model directory?")
+    for fname in files:
+        with safe_open(str(d / fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    d = Path(model_dir)
+    if not (d / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{d}: no {CONFIG_FILE}; is this an HF model directory?")
+    return model_config_from_hf(json.loads((d / CONFIG_FILE).read_text()), name=d.name)
+
+
+def load_pretrained(model_dir: str | Path, cfg: ModelConfig | None = None) -> Qwen3MoeForCausalLM:
+    """Build our model from an HF directory (config.json + safetensors); strict about names and shapes."""
+    cfg = cfg or load_config(model_dir)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    state = from_hf_tensors(iter_safetensors(model_dir), cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model

@@ -1,0 +1,247 @@
+"""Qwen3-MoE decoder in plain torch, architecture-compatible with transformers' Qwen3MoeForCausalLM.
+
+The maths only: no parallelism here (sharding is declared elsewhere and applied to these modules).
+Parameter names equal transformers' in-memory names, routed experts included: each MoE layer holds
+its experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and
+`mlp.experts.down_proj` [E, H, I]. On disk, checkpoints use the per-expert names
+(`mlp.experts.{e}.gate_proj.weight`, ...) that released Qwen3-MoE checkpoints and vLLM use;
+`rlhf.model.hf_io` converts between the two.
+
+Each forward records, per MoE layer, how many (valid) tokens were routed to each expert
+(`router_stats()`), for expert-load metrics, expert placement and the simulator.
+
+Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim, E experts, k top-k,
+I expert FFN size, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlhf.config.schema import Architecture, Attention as AttentionKind, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids_BT.device) / head_dim))
+    freqs = position_ids_BT[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BNTD * cos + _rotate_half(x_BNTD) * sin
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_BTH, cos, sin, mask_B1TT):
+        B, T, _ = x_BTH.shape
+        q = self.q_norm(self.q_proj(x_BTH).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BTH).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BTH).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT, enable_gqa=k.shape[1] != q.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k softmax router; with norm_topk_prob the chosen weights are renormalised to sum to 1."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x_SH: torch.Tensor):
+        logits_SE = F.linear(x_SH, self.weight)
+        probs_SE = torch.softmax(logits_SE, dim=-1, dtype=torch.float)
+        weights_Sk, experts_Sk = torch.topk(probs_SE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_Sk = weights_Sk / weights_Sk.sum(dim=-1, keepdim=True)
+        return weights_Sk.to(x_SH.dtype), experts_Sk
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stored stacked, so expert parallelism is a split of dim 0."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x_SH, experts_Sk, weights_Sk):
+        """Each token's output: the sum over its k chosen experts of weight * SwiGLU expert(x)."""
+        out_SH = torch.zeros_like(x_SH)
+        flat_expert = experts_Sk.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // experts_Sk.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start:start + n]
+            tokens = token_of[start:start + n]
+            start += n
+            gate, up = F.linear(x_SH[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out_SH.index_add_(0, tokens, y * weights_Sk.reshape(-1)[slots, None])
+        return out_SH
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.num_experts = cfg.num_experts
+        self.last_tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x_BTH, valid_BT=None):
+        B, T, H = x_BTH.shape
+        x_SH = x_BTH.reshape(-1, H)
+        weights_Sk, experts_Sk = self.gate(x_SH)
+        with torch.no_grad():
+            chosen = experts_Sk if valid_BT is None else experts_Sk[valid_BT.reshape(-1)]
+            self.last_tokens_per_expert = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        return self.experts(x_SH, experts_Sk, weights_Sk).view(B, T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg)
+        self.is_moe = layer_idx >= cfg.first_k_dense_layers
+        self.mlp = SparseMoE(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, valid_BT):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, valid_BT) if self.is_moe else self.mlp(h))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        check_supported(cfg)
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None = None,
+        position_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V]. `attention_mask_BT` (1 = real token) allows left or right padding."""
+        cfg = self.config
+        B, T = input_ids_BT.shape
+        x = self.model.embed_tokens(input_ids_BT)
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if attention_mask_BT is None:
+            valid_BT = None
+            mask = causal_TT[None, None]
+            if position_ids_BT is None:
+                position_ids_BT = torch.arange(T, device=x.device).expand(B, T)
+        else:
+            valid_BT = attention_mask_BT.bool()
+            # A padded query row would have no key to attend to; let it see itself so softmax stays finite.
+            mask = (causal_TT[None] & valid_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)[None]
+            mask = mask[:, None]
+            if position_ids_BT is None:
+                position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
+        cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, valid_BT)
+        return self.lm_head(self.model.norm(x))
+
+    def router_stats(self) -> torch.Tensor:
+        """Tokens routed to each expert in the last forward: [num MoE layers, E] (int64)."""
+        rows = [l.mlp.last_tokens_per_expert for l in self.model.layers if l.is_moe]
+        if any(r is None for r in rows):
+            raise RuntimeError("router_stats() needs a forward pass first")
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic initialisation for a seed: normal(0, std) matrices, unit norms."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """The torch model builds Qwen3-MoE shapes; the schema describes more (used by planning)."""
+    unsupported = []
+    if cfg.architecture is not Architecture.qwen3_moe:
+        unsupported.append(f"architecture={cfg.architecture.value}")
+    if cfg.attention is not AttentionKind.gqa:
+        unsupported.append(f"attention={cfg.attention.value}")
+    if cfg.num_shared_experts:
+        unsupported.append(f"num_shared_experts={cfg.num_shared_experts}")
+    if cfg.num_mtp_layers:
+        unsupported.append(f"num_mtp_layers={cfg.num_mtp_layers}")
+    if unsupported:
+        raise NotImplementedError(
+            f"model {cfg.name!r}: the torch model implements Qwen3-MoE (GQA, routed experts only, no MTP); "
+            f"{', '.join(unsupported)} can be planned and simulated but not built yet"
+        )
