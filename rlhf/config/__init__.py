@@ -1,6 +1,6 @@
 """Typed configuration: the schema (`schema`), its loader (`load`) and value checks (`validate`)."""
 
-from rlhf.config.load import load_model_config, load_run_config
+from rlhf.config.load import load_config, load_model_config, load_run_config
 from rlhf.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -16,5 +16,5 @@ from rlhf.config.validate import ConfigError
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "PlacementConfig",
-    "RolloutConfig", "RunConfig", "TrackingConfig", "TrainerConfig", "load_model_config", "load_run_config",
+    "RolloutConfig", "RunConfig", "TrackingConfig", "TrainerConfig", "load_config", "load_model_config", "load_run_config",
 ]

@@ -45,6 +45,14 @@ def load_model_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelC
     return cfg
 
 
+def load_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
+    """Load any schema dataclass (a run, or one section such as PlacementConfig) from YAML + overrides.
+
+    Types and keys are checked here; value checks of whole runs and models are in `validate`.
+    """
+    return _load(schema_cls, Path(path), overrides)
+
+
 def _load(schema_cls: type[T], path: Path, overrides: Sequence[str]) -> T:
     merged = OmegaConf.structured(schema_cls)
     OmegaConf.set_readonly(merged, False)
