@@ -29,6 +29,8 @@ class Completion:
 
 
 def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig) -> None:
+    # vLLM logs to stdout by default; our commands keep stdout for their results.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         if cfg.tp > 1:

@@ -1,0 +1,33 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import ConfigError, load_run_config
+from rlhf.config.schema import ModelConfig
+from rlhf.evaluate import check_model_dir
+from rlhf.tiny import TinySpec, make_tiny
+
+QUICK = TinySpec(n_sft=400, n_train=40, n_heldout=16, max_sft_steps=6, eval_every=3, batch_size=16,
+                 target_accuracy=1.0, min_accuracy=0.0)
+CFG = ModelConfig(hidden_size=32, num_hidden_layers=1, num_experts=4, moe_intermediate_size=32)
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def test_make_tiny_is_deterministic_for_a_seed(tmp_path):
+    a = make_tiny(tmp_path / "a", CFG, QUICK, log=lambda m: None)
+    b = make_tiny(tmp_path / "b", CFG, QUICK, log=lambda m: None)
+    c = make_tiny(tmp_path / "c", CFG, dataclasses.replace(QUICK, seed=1), log=lambda m: None)
+    for f in ("model.safetensors", "train.jsonl", "heldout.jsonl", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
+    assert a["heldout_accuracy"] == b["heldout_accuracy"] and a["sft_steps"] == 6
+
+
+def test_run_refuses_a_policy_dir_of_another_shape(tmp_path):
+    make_tiny(tmp_path / "p", CFG, QUICK, log=lambda m: None)
+    cfg = load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'p'}"])
+    with pytest.raises(ConfigError, match=r"hidden_size: config 96, .*config.json 32"):
+        check_model_dir(cfg)
+    with pytest.raises(ConfigError, match="rlhf make-tiny"):
+        check_model_dir(load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'none'}"]))
