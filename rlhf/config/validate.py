@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.config.schema import Attention, ModelConfig, RunConfig
+from weight_sync.layout import Layout
 
 
 class ConfigError(ValueError):
@@ -74,10 +75,8 @@ def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
     return p
 
 
-def _layout_problems(
-    section: str, m: ModelConfig, tp: int, ep: int, ep_pool: int | None, experts_over_tp_ep: bool
-) -> list[Problem]:
-    """TP must split the heads, EP the experts; EP is carved out of `ep_pool` ranks (dp * tp)."""
+def _layout_problems(section: str, m: ModelConfig, tp: int, ep: int, experts_over_tp_ep: bool) -> list[Problem]:
+    """TP must split the heads, EP the experts."""
     p: list[Problem] = []
     if tp <= 0 or ep <= 0:
         return [Problem(f"{section}.{'tp' if tp <= 0 else 'ep'}", tp if tp <= 0 else ep, "must be >= 1")]
@@ -92,9 +91,6 @@ def _layout_problems(
         what = f"ep * tp = {ep} * {tp}" if experts_over_tp_ep else f"ep={ep}"
         p.append(Problem(f"{section}.ep", ep, f"{what} must divide model.num_experts={m.num_experts}; "
                          f"choose ep so that it does, e.g. one of {_divisors(m.num_experts)}"))
-    if ep_pool is not None and ep_pool % ep:
-        p.append(Problem(f"{section}.ep", ep, f"ep is carved out of dp * tp = {ep_pool} ranks and must divide it; "
-                         f"choose one of {_divisors(ep_pool)} or change dp/tp"))
     return p
 
 
@@ -108,8 +104,13 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem(f"trainer.{name}", getattr(t, name), "must be >= 1"))
     if t.pp > m.num_hidden_layers:
         p.append(Problem("trainer.pp", t.pp, f"cannot exceed model.num_hidden_layers={m.num_hidden_layers}"))
-    p += _layout_problems("trainer", m, t.tp, t.ep, t.dp * t.tp, t.experts_over_tp_ep)
-    p += _layout_problems("rollout", m, r.tp, r.ep, None, False)
+    p += _layout_problems("trainer", m, t.tp, t.ep, t.experts_over_tp_ep)
+    p += _layout_problems("rollout", m, r.tp, r.ep, False)
+    if t.pp > 0 and t.dp > 0 and t.tp > 0 and t.ep > 0:
+        try:
+            Layout(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep)
+        except ValueError as e:
+            p.append(Problem("trainer.ep", t.ep, str(e)))
     for bad in set(t.recompute) - {"attention", "experts", "norms"}:
         p.append(Problem("trainer.recompute", list(t.recompute), f"unknown module kind {bad!r}; use attention, experts, norms"))
     if r.num_engines <= 0:
