@@ -178,6 +178,7 @@ class TrainerConfig:
     collective_timeout_s: float = 120.0
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     mini_batch_size: int = 64  # samples per optimizer step

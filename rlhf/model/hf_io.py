@@ -229,3 +229,30 @@ def load_pretrained(model_dir: str | Path, cfg: ModelConfig | None = None) -> Qw
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor]:
+    """One trainer rank's local tensors, read piece by piece from the HF directory's safetensors
+    (only the slices this rank holds are read). `sharding` is a `rlhf.model.sharding.TrainerSharding`."""
+    d = Path(model_dir)
+    if (d / INDEX_FILE).is_file():
+        where = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+    elif (d / SINGLE_FILE).is_file():
+        where = None
+    else:
+        raise FileNotFoundError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}; is this an HF model directory?")
+    by_file: dict[str, list] = {}
+    for p in sharding.pieces:
+        by_file.setdefault(where[p.param] if where else SINGLE_FILE, []).append(p)
+    local: dict[str, torch.Tensor] = {}
+    for fname, pieces in by_file.items():
+        with safe_open(str(d / fname), framework="pt") as f:
+            for p in pieces:
+                part = f.get_slice(p.param)[p.box.slices()]
+                if p.buffer not in local:
+                    local[p.buffer] = torch.empty(sharding.local_shapes[p.buffer], dtype=part.dtype)
+                local[p.buffer][p.buffer_slices()] = part
+    missing = set(sharding.local_shapes) - set(local)
+    if missing:
+        raise ValueError(f"{d}: no tensors for {sorted(missing)[:3]}")
+    return local

@@ -114,22 +114,24 @@ class Experts(nn.Module):
 
     def forward(self, x_SH, experts_Sk, weights_Sk):
         """Each token's output: the sum over its k chosen experts of weight * SwiGLU expert(x)."""
-        out_SH = torch.zeros_like(x_SH)
-        flat_expert = experts_Sk.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // experts_Sk.shape[1]
-        start = 0
+        k = experts_Sk.shape[1]
+        y_Rk = self.forward_rows(x_SH.repeat_interleave(k, dim=0), experts_Sk.reshape(-1))
+        return (y_Rk.view(-1, k, x_SH.shape[1]) * weights_Sk[..., None]).sum(1)
+
+    def forward_rows(self, x_RH: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
+        """SwiGLU expert `expert_R[r]` (an index into this module's stack) applied to row r."""
+        order = torch.argsort(expert_R, stable=True)
+        counts = torch.bincount(expert_R, minlength=self.gate_up_proj.shape[0]).tolist()
+        x_sorted = x_RH[order]
+        ys, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slots = order[start:start + n]
-            tokens = token_of[start:start + n]
-            start += n
-            gate, up = F.linear(x_SH[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out_SH.index_add_(0, tokens, y * weights_Sk.reshape(-1)[slots, None])
-        return out_SH
+            if n:
+                gate, up = F.linear(x_sorted[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        if not ys:
+            return x_RH.new_zeros(x_RH.shape) + 0 * self.down_proj.sum()  # keeps the graph for an empty batch
+        return torch.cat(ys)[torch.argsort(order)]
 
 
 class SparseMoE(nn.Module):
@@ -190,26 +192,33 @@ class Qwen3MoeForCausalLM(nn.Module):
         position_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V]. `attention_mask_BT` (1 = real token) allows left or right padding."""
+        ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT)
+        x = self.model.embed_tokens(input_ids_BT)
+        for layer in self.model.layers:
+            x = layer(x, *ctx)
+        return self.lm_head(self.model.norm(x))
+
+    def prepare(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None):
+        """What every layer needs besides the hidden states: (cos, sin, attention mask, valid tokens)."""
         cfg = self.config
         B, T = input_ids_BT.shape
-        x = self.model.embed_tokens(input_ids_BT)
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        dev = input_ids_BT.device
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         if attention_mask_BT is None:
             valid_BT = None
             mask = causal_TT[None, None]
             if position_ids_BT is None:
-                position_ids_BT = torch.arange(T, device=x.device).expand(B, T)
+                position_ids_BT = torch.arange(T, device=dev).expand(B, T)
         else:
             valid_BT = attention_mask_BT.bool()
             # A padded query row would have no key to attend to; let it see itself so softmax stays finite.
-            mask = (causal_TT[None] & valid_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)[None]
+            mask = (causal_TT[None] & valid_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=dev)[None]
             mask = mask[:, None]
             if position_ids_BT is None:
                 position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, valid_BT)
-        return self.lm_head(self.model.norm(x))
+        dtype = next(self.parameters()).dtype
+        cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, dtype)
+        return cos, sin, mask, valid_BT
 
     def router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert in the last forward: [num MoE layers, E] (int64)."""

@@ -44,6 +44,16 @@ SHARDING_RULES: tuple[tuple[str, Split], ...] = (
 )
 
 
+# Replicated parameters whose gradient each rank only sees part of, so it is summed over the whole
+# stage (dp x tp) rather than over dp alone: q/k norms act on this TP rank's heads only; the router
+# sees this rank's slice of the tokens (MoE blocks split the TP group's tokens).
+STAGE_REDUCED_GRADS: tuple[str, ...] = (r"\.self_attn\.[qk]_norm\.weight$", r"\.mlp\.gate\.weight$")
+
+
+def grad_reduced_over_stage(name: str) -> bool:
+    return any(re.search(p, name) for p in STAGE_REDUCED_GRADS)
+
+
 def split_of(name: str) -> Split:
     for pattern, split in SHARDING_RULES:
         if re.search(pattern, name):

@@ -1,0 +1,185 @@
+"""Process groups of a layout, the collective backend per device type, and autograd-aware collectives.
+
+The backend is chosen once from the device type: gloo on cpu, nccl on cuda, hccl on npu (torch_npu is
+imported only then). Every group is created with the run's timeout, so a hung collective raises
+instead of stalling.
+
+Autograd collectives (Megatron's f/g pairs, plus the sequence split and the all-to-all of EP):
+  copy_to_group      forward identity,          backward all-reduce
+  reduce_from_group  forward all-reduce,        backward identity
+  split_to_group     forward keep own slice,    backward all-gather
+  gather_from_group  forward all-gather,        backward keep own slice
+  all_to_all         forward all_to_all_single, backward the reverse all_to_all_single
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.layout import Layout
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for(device_type: str, requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
+    if device_type not in BACKENDS:
+        raise ValueError(f"device type {device_type!r}: use one of {sorted(BACKENDS)}")
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers the hccl backend)
+    return BACKENDS[device_type]
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device_type: str = "cpu",
+                       backend: str = "auto", timeout_s: float = 120.0) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    dist.init_process_group(backend_for(device_type, backend), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass
+class LayoutGroups:
+    """This rank's process groups along every axis of the layout (None where the group is one rank)."""
+
+    layout: Layout
+    rank: int
+    tp: object
+    dp: object
+    pp: object
+    ep: object
+    expert_replica: object
+    stage: object
+    ranks: dict  # axis -> tuple of global ranks of this rank's group
+
+    def size(self, axis: str) -> int:
+        return len(self.ranks[axis])
+
+    def index(self, axis: str) -> int:
+        return self.ranks[axis].index(self.rank)
+
+
+def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> LayoutGroups:
+    """Create every group of every axis (all ranks must call this, in the same order)."""
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the process group has "
+                         f"{dist.get_world_size()}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine, ranks = {}, {}
+    for axis in ("tp", "dp", "pp", "ep", "expert_replica", "stage"):
+        for g in layout.groups(axis):
+            handle = dist.new_group(list(g), timeout=timeout) if len(g) > 1 else None
+            if rank in g:
+                mine[axis], ranks[axis] = handle, g
+    return LayoutGroups(layout, rank, ranks=ranks, **mine)
+
+
+def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        n, i = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(n, dim)[i].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        n, i = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(n, ctx.dim)[i].contiguous(), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_counts, recv_counts, group):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((sum(ctx.send_counts),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(out, g.contiguous(), ctx.send_counts, ctx.recv_counts, group=ctx.group)
+        return out, None, None, None
+
+
+def copy_to_group(x, group):
+    return x if group is None else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+    return x if group is None else _ReduceFromGroup.apply(x, group)
+
+
+def split_to_group(x, group, dim: int = 0):
+    return x if group is None else _SplitToGroup.apply(x, group, dim)
+
+
+def gather_from_group(x, group, dim: int = 0):
+    return x if group is None else _GatherFromGroup.apply(x, group, dim)
+
+
+def all_to_all(x, send_counts: list[int], recv_counts: list[int], group):
+    """Rows of x go to group members in order, `send_counts[i]` rows to member i; differentiable."""
+    if group is None:
+        return x
+    return _AllToAll.apply(x, list(send_counts), list(recv_counts), group)
+
+
+def exchange_counts(send_counts: list[int], group) -> list[int]:
+    """How many rows each member will send us, given how many we send each."""
+    if group is None:
+        return list(send_counts)
+    send = torch.tensor(send_counts, dtype=torch.long)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()

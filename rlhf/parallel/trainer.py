@@ -1,0 +1,231 @@
+"""The parallel MoE policy trainer of one rank: logprobs, loss backward, gradient sync, clip, AdamW,
+offload/onload, recomputation and shard export. A plain class; a Ray actor hosts it.
+
+Every rank of the layout runs the same calls with the micro-batches of its DP index (TP ranks and
+pipeline stages of one DP index get the same micro-batches; every rank of a stage must run the same
+number of them, since EP all-to-alls span DP ranks: `rlhf.parallel.balance` arranges that).
+
+Legend: B batch, T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rlhf.config.schema import ModelConfig, TrainerConfig
+from rlhf.model.hf_io import load_local_shards
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.model.sharding import TrainerSharding, rank_sharding
+from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
+from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
+from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
+from rlhf.parallel.pipeline import PipelineRunner
+from weight_sync.layout import Layout, default_expert_map
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    extras: dict  # per-sample tensors the loss needs (advantages, old logprobs, loss mask, ...)
+
+
+# (logp_BT, entropy_BT, micro-batch) -> scalar loss, already divided by the global normaliser
+LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], torch.Tensor]
+
+
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp[:, t] = log p(input_ids[:, t+1] | prefix) and the entropy of that distribution: [B, T-1] each."""
+    logp_all = F.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
+    logp = logp_all.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+RECOMPUTE_KINDS = {"attention": ("self_attn",), "experts": ("mlp",), "norms": ("input_layernorm",
+                                                                             "post_attention_layernorm")}
+
+
+class ParallelTrainer:
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, layout: Layout, rank: int,
+                 model_dir: str | Path, expert_map: Sequence[int] | None = None,
+                 stage_split: Sequence[int] | None = None, ranks_per_node: int | None = None,
+                 hierarchical_ep: bool = False):
+        self.cfg, self.tcfg, self.layout, self.rank = model_cfg, trainer_cfg, layout, rank
+        self.groups: LayoutGroups = build_groups(layout, rank, trainer_cfg.collective_timeout_s)
+        self.expert_map = tuple(expert_map) if expert_map is not None else default_expert_map(
+            model_cfg.num_experts, layout.expert_shards)
+        self.stages = layout.stage_layers(model_cfg.num_hidden_layers, stage_split)
+        self.stage = layout.coords(rank).pp
+        self.sharding: TrainerSharding = rank_sharding(model_cfg, layout, rank, self.expert_map, stage_split)
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(model_cfg)
+        local = load_local_shards(model_dir, self.sharding)
+        if hierarchical_ep:
+            from rlhf.parallel.dispatch import HierarchicalDispatcher
+            self.dispatcher: Dispatcher = HierarchicalDispatcher(self.groups, ranks_per_node)
+        else:
+            self.dispatcher = FlatDispatcher(self.groups, ranks_per_node)
+        self.model = parallelize(model, self.sharding, self.groups, local, self.expert_map, self.stages,
+                                 self.dispatcher)
+        self._apply_recompute(trainer_cfg.recompute)
+        self.params = dict(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
+                                           eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
+        self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
+        self._offloaded: dict | None = None
+
+    # --- forward ---
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.layout.pp - 1
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        return self.model(mb.input_ids_BT, mb.attention_mask_BT)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: Sequence[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(logp_BT, entropy_BT) per micro-batch on the last pipeline stage; None on other stages."""
+        self.model.eval()
+        if self.pipeline is not None:
+            return self.pipeline.forward_only(micro_batches, token_logprobs)
+        return [token_logprobs(self._logits(mb), mb.input_ids_BT) for mb in micro_batches]
+
+    # --- training ---
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict:
+        """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step."""
+        self._check_onloaded()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.pipeline is not None:
+            losses = self.pipeline.train(micro_batches, loss_fn, token_logprobs)
+        else:
+            losses = []
+            for mb in micro_batches:
+                logp, ent = token_logprobs(self._logits(mb), mb.input_ids_BT)
+                loss = loss_fn(logp, ent, mb)
+                loss.backward()
+                losses.append(loss.detach())
+        self.sync_grads()
+        grad_norm = self.clip_grads(self.tcfg.grad_clip)
+        self.optimizer.step()
+        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+        # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
+        loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
+        return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
+
+    def sync_grads(self) -> None:
+        """Sum each gradient over the ranks that hold the same shard but saw other tokens; one flat
+        all-reduce per group kind."""
+        buckets: dict[str, tuple[object, list[torch.Tensor]]] = {}
+        for name, p in self.params.items():
+            group, kind = grad_group_of(name, self.groups)
+            if group is not None:
+                buckets.setdefault(kind, (group, []))[1].append(p.grad)
+        for group, grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce(flat, group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all shards (each replica counted once); clip like
+        torch.nn.utils.clip_grad_norm_."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for name, p in self.params.items():
+            sq += p.grad.double().pow(2).sum() / replicas_of(name, self.groups)
+        torch.distributed.all_reduce(sq)
+        norm = sq.sqrt().float()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in self.params.values():
+                p.grad.mul_(coef)
+        return norm
+
+    # --- recomputation ---
+    def _apply_recompute(self, kinds: Sequence[str]) -> None:
+        for kind in kinds:
+            for i in self.stages[self.stage]:
+                layer = self.model.model.layers[i]
+                for attr in RECOMPUTE_KINDS[kind]:
+                    mod = getattr(layer, attr)
+                    mod.forward = _checkpointed(mod.forward)
+
+    # --- co-location ---
+    def offload(self) -> int:
+        """Move parameters, gradients and optimizer state to host memory, leaving the modules without
+        storage. Returns the bytes freed on the device (on cpu: bytes moved out of the live model)."""
+        if self._offloaded is not None:
+            return 0
+        stash, nbytes = {}, 0
+        for name, p in self.params.items():
+            entry = {"param": p.data.to("cpu", copy=True) if p.device.type != "cpu" else p.data}
+            nbytes += p.numel() * p.element_size()
+            if p.grad is not None:
+                entry["grad"] = p.grad.to("cpu", copy=True) if p.device.type != "cpu" else p.grad
+                nbytes += p.grad.numel() * p.grad.element_size()
+                p.grad = None
+            state = self.optimizer.state.get(p, {})
+            entry["state"] = {}
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.numel() > 1:
+                    entry["state"][k] = v.to("cpu", copy=True) if v.device.type != "cpu" else v
+                    nbytes += v.numel() * v.element_size()
+                    state[k] = torch.empty(0, dtype=v.dtype, device=v.device)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            stash[name] = entry
+        self._offloaded = stash
+        return nbytes
+
+    def onload(self, device: str | torch.device = "cpu") -> int:
+        """Restore what `offload` moved, bit-exactly. Returns the bytes restored."""
+        if self._offloaded is None:
+            return 0
+        nbytes = 0
+        for name, p in self.params.items():
+            entry = self._offloaded[name]
+            p.data = entry["param"].to(device)
+            nbytes += p.numel() * p.element_size()
+            if "grad" in entry:
+                p.grad = entry["grad"].to(device)
+                nbytes += p.grad.numel() * p.grad.element_size()
+            for k, v in entry["state"].items():
+                self.optimizer.state[p][k] = v.to(device)
+                nbytes += v.numel() * v.element_size()
+        self._offloaded = None
+        return nbytes
+
+    def _check_onloaded(self) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError("trainer is offloaded: call onload() before training")
+
+    # --- export ---
+    def export_shards(self) -> tuple[TrainerSharding, dict[str, torch.Tensor]]:
+        """This rank's local tensors (by our parameter name) and the sharding that says which box of
+        which HF tensor each holds: the resharding layer's input."""
+        self._check_onloaded()
+        return self.sharding, {n: p.detach() for n, p in self.params.items()}
+
+    def router_stats(self) -> torch.Tensor:
+        """Tokens per expert per MoE layer of this stage's last forward, summed over the stage."""
+        rows = [self.model.model.layers[i].mlp.last_tokens_per_expert for i in self.stages[self.stage]
+                if self.model.model.layers[i].is_moe]
+        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
+        return all_reduce(stats, self.groups.stage)
+
+
+def _checkpointed(fn):
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return run

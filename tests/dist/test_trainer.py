@@ -1,0 +1,154 @@
+"""The parallel trainer equals one process: logprobs, gradients, 3 AdamW steps (fp32, <= 1e-5),
+offload/onload bit-exact, recomputation, shard export. At most 4 gloo processes per test."""
+
+import pytest
+import torch
+
+from rlhf.config.schema import ModelConfig, TrainerConfig
+from rlhf.model.hf_io import save_pretrained, to_hf_tensors
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.parallel.launch import run_ranks
+from rlhf.parallel.trainer import MicroBatch, ParallelTrainer, token_logprobs
+from weight_sync.layout import Layout
+
+CFG = ModelConfig(vocab_size=40, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  first_k_dense_layers=1, intermediate_size=48, rope_theta=10000.0)
+# Adam's update g / (sqrt(v) + eps) turns fp32 rounding noise (~1e-9) in near-zero gradients into parameter
+# differences of up to lr * noise / eps; eps 1e-6 keeps that below 1e-8 so the 1e-5 check sees real errors only.
+TCFG = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=0.5, collective_timeout_s=60)
+B, T, MB, STEPS, TOL = 8, 12, 2, 3, 1e-5
+
+
+def make_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, CFG.vocab_size, (B, T), generator=g)
+    lens = torch.randint(T // 2, T + 1, (B,), generator=g)
+    attn = (torch.arange(T)[None] < lens[:, None]).long()
+    ids = ids * attn
+    adv = torch.randn(B, generator=g)
+    return ids, attn, adv
+
+
+def loss_fn(logp, ent, mb):
+    mask = mb.attention_mask_BT[:, 1:].float()
+    n = mb.extras["n_tokens"]
+    return (-(mb.extras["adv"][:, None] * logp * mask).sum() - 0.01 * (ent * mask).sum()) / n
+
+
+def micro_batches(ids, attn, adv, rows):
+    n = float(attn[:, 1:].sum())
+    rows = list(rows)
+    return [MicroBatch(ids[rows[i:i + MB]], attn[rows[i:i + MB]], {"adv": adv[rows[i:i + MB]], "n_tokens": n})
+            for i in range(0, len(rows), MB)]
+
+
+def reference(model_dir):
+    from rlhf.model.hf_io import load_pretrained
+
+    model = load_pretrained(model_dir)
+    ids, attn, adv = make_batch()
+    mbs = micro_batches(ids, attn, adv, range(B))
+    with torch.no_grad():
+        logp = torch.cat([token_logprobs(model(m.input_ids_BT, m.attention_mask_BT), m.input_ids_BT)[0] for m in mbs])
+    opt = torch.optim.AdamW(model.parameters(), lr=TCFG.lr, betas=TCFG.betas, eps=TCFG.adam_eps,
+                            weight_decay=TCFG.weight_decay)
+    out = {"logp": logp}
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in mbs:
+            lp, ent = token_logprobs(model(m.input_ids_BT, m.attention_mask_BT), m.input_ids_BT)
+            loss_fn(lp, ent, m).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), TCFG.grad_clip)
+        if step == 0:
+            out["grads"] = dict(to_hf_tensors({n: p.grad.clone() for n, p in model.named_parameters()}, CFG))
+            out["norm"] = float(norm)
+        opt.step()
+    out["params"] = dict(to_hf_tensors({n: p.detach().clone() for n, p in model.state_dict().items()}, CFG))
+    return out
+
+
+def worker(rank, layout, model_dir, kw):
+    tcfg = TrainerConfig(**(TCFG.__dict__ | kw.pop("tcfg", {})))
+    tr = ParallelTrainer(CFG, tcfg, layout, rank, model_dir, **kw)
+    c = layout.coords(rank)
+    ids, attn, adv = make_batch()
+    mbs = micro_batches(ids, attn, adv, range(c.dp, B, layout.dp))
+    res = {"logp": tr.logprobs(mbs), "rows": list(range(c.dp, B, layout.dp))}
+    for step in range(STEPS):
+        stats = tr.train_step(mbs, loss_fn)
+        if step == 0:
+            res["norm"] = stats["grad_norm"]
+            res["grads"] = {n: p.grad.clone() for n, p in tr.params.items()}
+    before = {n: p.detach().clone() for n, p in tr.params.items()}
+    state_before = {n: {k: v.clone() for k, v in tr.optimizer.state[p].items() if torch.is_tensor(v)}
+                    for n, p in tr.params.items()}
+    freed = tr.offload()
+    res["empty_after_offload"] = all(p.numel() == 0 for p in tr.params.values())
+    restored = tr.onload()
+    res["offload_bytes"] = (freed, restored)
+    res["offload_exact"] = all(torch.equal(before[n], p) for n, p in tr.params.items()) and all(
+        torch.equal(v, tr.optimizer.state[p][k]) for n, p in tr.params.items() for k, v in state_before[n].items())
+    sharding, tensors = tr.export_shards()
+    res["sharding"], res["params"] = sharding, {n: t.clone() for n, t in tensors.items()}
+    res["dispatch"] = tr.dispatcher.stats
+    return res
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainer_model")
+    m = Qwen3MoeForCausalLM(CFG)
+    m.init_weights(seed=11, std=0.2)
+    save_pretrained(m, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return reference(model_dir)
+
+
+def check_against_reference(results, layout, ref):
+    for rank, res in enumerate(results):
+        assert abs(res["norm"] - ref["norm"]) <= TOL * max(1.0, ref["norm"]), (rank, res["norm"], ref["norm"])
+        if res["logp"] is not None:
+            got = torch.cat([lp for lp, _ in res["logp"]])
+            assert (got - ref["logp"][res["rows"]]).abs().max() <= TOL, rank
+        sharding = res["sharding"]
+        for what in ("grads", "params"):
+            for p in sharding.pieces:
+                got = res[what][p.buffer][p.buffer_slices()]
+                want = ref[what][p.param][p.box.slices()]
+                assert (got - want).abs().max() <= TOL, (rank, what, p.param)
+        assert res["offload_exact"] and res["empty_after_offload"]
+        assert res["offload_bytes"][0] == res["offload_bytes"][1] > 0
+    # the exported shards, put back together by their own spec, give the full state dict exactly
+    full = {n: torch.full_like(t, float("nan")) for n, t in ref["params"].items()}
+    for res in results:
+        for p in res["sharding"].pieces:
+            full[p.param][p.box.slices()] = res["params"][p.buffer][p.buffer_slices()]
+    for n, t in full.items():
+        assert not t.isnan().any(), f"{n} not covered by the export"
+
+
+LAYOUTS = {
+    "tp2": (Layout(tp=2), {}),
+    "dp2": (Layout(dp=2), {}),
+    "ep2": (Layout(dp=2, ep=2), {}),
+    "ep4": (Layout(dp=4, ep=4), {}),
+    "pp2": (Layout(pp=2), {"stage_split": [1, 3]}),
+    "tp2xep2": (Layout(dp=2, tp=2, ep=2), {}),
+    "pp2xdp2": (Layout(pp=2, dp=2), {}),
+    "pp2xtp2": (Layout(pp=2, tp=2), {}),
+    "experts_over_tp_ep": (Layout(dp=2, tp=2, ep=2, experts_over_tp_ep=True), {}),
+    "ep2_noncontiguous_recompute": (Layout(dp=2, ep=2), {"expert_map": [1, 0, 0, 1, 1, 0, 1, 0],
+                                                        "tcfg": {"recompute": ("attention", "experts", "norms")}}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_equals_single_process(name, model_dir, ref):
+    layout, kw = LAYOUTS[name]
+    results = run_ranks(worker, layout.world_size, layout, str(model_dir), dict(kw), timeout_s=240)
+    check_against_reference(results, layout, ref)
