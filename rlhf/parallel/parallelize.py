@@ -68,9 +68,8 @@ class ExpertParallelMoE(nn.Module):
         with torch.no_grad():
             self.last_tokens_per_expert = torch.bincount(experts_Sk[valid_loc].reshape(-1), minlength=self.num_experts)
         k = experts_Sk.shape[1]
-        flat = experts_Sk.reshape(-1)
-        rows = x_loc.repeat_interleave(k, dim=0)
-        y_rows = self.dispatcher.run(rows, self.shard_of[flat], self.local_index[flat], self.experts.forward_rows)
+        y_rows = self.dispatcher.run(x_loc, self.shard_of[experts_Sk], self.local_index[experts_Sk],
+                                     self.experts.forward_rows)
         out_loc = (y_rows.view(-1, k, H) * weights_Sk[..., None]).sum(1)
         out = gather_from_group(out_loc, self.groups.tp)[:S]
         return out.view(B, T, H)

@@ -152,3 +152,22 @@ def test_layout_equals_single_process(name, model_dir, ref):
     layout, kw = LAYOUTS[name]
     results = run_ranks(worker, layout.world_size, layout, str(model_dir), dict(kw), timeout_s=240)
     check_against_reference(results, layout, ref)
+
+
+def test_hierarchical_ep_equals_flat_exactly_and_crosses_nodes_less(model_dir, ref):
+    """2 nodes x 2 ranks, EP over all 4: the same logprobs, gradients and parameters bit for bit as the
+    flat all-to-all, with fewer bytes crossing the node boundary on dispatch."""
+    layout = Layout(dp=4, ep=4)
+    flat = run_ranks(worker, 4, layout, str(model_dir), {"ranks_per_node": 2}, timeout_s=240)
+    hier = run_ranks(worker, 4, layout, str(model_dir), {"ranks_per_node": 2, "hierarchical_ep": True},
+                     timeout_s=240)
+    check_against_reference(hier, layout, ref)
+    for f, h in zip(flat, hier):
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(f["logp"], h["logp"]))
+        for what in ("grads", "params"):
+            assert all(torch.equal(f[what][n], h[what][n]) for n in f[what]), what
+    for what in ("forward_inter_node", "bytes_inter_node"):
+        f_bytes = sum(getattr(r["dispatch"], what) for r in flat)
+        h_bytes = sum(getattr(r["dispatch"], what) for r in hier)
+        assert 0 < h_bytes < f_bytes, (what, h_bytes, f_bytes)
+    assert sum(r["dispatch"].backward_inter_node for r in hier) == sum(r["dispatch"].backward_inter_node for r in flat)
