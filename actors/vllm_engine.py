@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from rlhf.config.schema import DeviceType, RolloutConfig
 
 log = logging.getLogger(__name__)
+
+
+class WeightUpdateRejected(ValueError):
+    """An update failed its checks before any weight was touched; the engine keeps its old weights."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class Completion:
     token_ids: tuple[int, ...]
     logp: tuple[float, ...]  # log-probability of each sampled token under the engine's weights
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    weight_version: int  # the weights that produced it
 
 
 def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig) -> None:
@@ -55,10 +60,78 @@ class VLLMEngine:
             seed=seed,
             enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len,
+            worker_extension_cls="actors.vllm_worker_ext.WeightUpdateExtension",
         )
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.weight_version = 0
+        self.serving = True  # False after a failed update: refuse to generate until one succeeds
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int,
+                       shm_dir: str = "/dev/shm") -> dict:
+        """Install a full set of HF-named tensors in every worker, exactly; raises on any mismatch.
+
+        The tensors travel through a safetensors file in shared memory (tmpfs), never a disk; each
+        worker checks a CRC32 per tensor before touching its weights. If a worker fails after others
+        succeeded, the engine stops serving until an update succeeds: never a half-updated model."""
+        import tempfile
+        import time
+
+        from safetensors.torch import save_file
+
+        from actors.vllm_worker_ext import tensor_crc32
+
+        t0 = time.perf_counter()
+        tensors = {n: t.detach().contiguous() for n, t in named_tensors}
+        crc = {n: tensor_crc32(t) for n, t in tensors.items()}
+        with tempfile.TemporaryDirectory(dir=shm_dir, prefix="rlhf-weights-") as d:
+            path = os.path.join(d, "weights.safetensors")
+            save_file(tensors, path)
+            replies = self.install_from_file(path, crc, version)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"version": version, "tensors": len(tensors), "bytes": nbytes,
+                "seconds": time.perf_counter() - t0, "workers": len(replies)}
+
+    def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
+        """Every worker checks, then installs, the tensors of a shared-memory safetensors file.
+
+        Rejected by the checks: raises WeightUpdateRejected, the old weights stay and are served.
+        Failed during the reload: re-raises, and the engine refuses to generate until an update
+        succeeds (it may hold a mix of old and new weights)."""
+        self.serving = False
+        try:
+            replies = self.llm.collective_rpc("rlhf_update_from_shm", args=(path, crc, validate))
+        except Exception as e:
+            log.error("weight update to version %d failed during the reload; the engine refuses to generate "
+                      "until an update succeeds: %s", version, (str(e).splitlines() or [type(e).__name__])[0])
+            raise
+        rejected = [r for r in replies if not r["ok"]]
+        if rejected and len(rejected) == len(replies):
+            self.serving = True  # nothing was touched anywhere
+            raise WeightUpdateRejected(f"weight update to version {version} rejected, still serving version "
+                                       f"{self.weight_version}: {rejected[0]['error']}")
+        if rejected:
+            raise RuntimeError(f"weight update to version {version}: workers disagree ({rejected[0]['error']}); "
+                               "the engine refuses to generate until an update succeeds")
+        self.serving = True
+        self.weight_version = version
+        return replies
+
+    def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) for t >= 1 of each sequence, under the engine's current weights."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_serving()
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
+
+    def _check_serving(self) -> None:
+        if not self.serving:
+            raise RuntimeError("engine refuses to generate: its last weight update failed part-way; "
+                               "run a successful update first")
 
     def generate(
         self,
@@ -73,6 +146,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_serving()
         params = SamplingParams(
             n=n,
             temperature=self.cfg.temperature if temperature is None else temperature,
@@ -87,5 +161,5 @@ class VLLMEngine:
         for i, req in enumerate(outs):
             for c in req.outputs:
                 logp = tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
-                result.append(Completion(i, tuple(c.token_ids), logp, c.finish_reason or "length"))
+                result.append(Completion(i, tuple(c.token_ids), logp, c.finish_reason or "length", self.weight_version))
         return result
