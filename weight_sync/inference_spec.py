@@ -1,0 +1,276 @@
+"""The rollout engines' side of a weight sync: `InferenceLayout` and the shard spec of vLLM's buffers. Pure.
+
+One engine has W ranks: W = tp when ep == 1, else W = ep (ep a multiple of tp). With ep > tp the engine
+runs vLLM's data-parallel attention: ep / tp groups of tp consecutive ranks, each group holding the
+attention, dense MLPs, shared experts, norms and vocabulary split over its tp ranks; the routed
+experts are split over all W ranks by an expert map (whole experts, as vLLM's expert parallelism
+does). With ep == 1 every rank holds all experts with the intermediate dim split over tp.
+
+Buffers carry vLLM's names and shapes (Qwen3-MoE, per rank; H hidden, N heads, K KV heads, D head dim,
+I expert FFN, Id dense FFN, E experts, V vocabulary):
+
+    model.embed_tokens.weight, lm_head.weight     [Vp / tp, H]   V padded to a multiple of 64
+    layers.{l}.self_attn.qkv_proj.weight          [(N / tp + 2 Kloc) D, H]   q rows, then k, then v
+    layers.{l}.self_attn.o_proj.weight            [H, N D / tp]
+    layers.{l}.mlp.gate_up_proj.weight            [2 Id / tp, H]  gate rows, then up (dense layers)
+    layers.{l}.mlp.down_proj.weight               [H, Id / tp]
+    layers.{l}.mlp.experts.w13_weight             [E_local, 2 I_local, H]  [gate; up] per local expert
+    layers.{l}.mlp.experts.w2_weight              [E_local, H, I_local]
+    norms, q_norm / k_norm, mlp.gate.weight       replicated
+
+KV heads are split over tp, or, when tp > K, replicated by head group (rank t holds head t K // tp).
+The vocabulary is padded as vLLM's VocabParallelEmbedding does (to a multiple of 64, then split over
+tp); pieces leave the padding rows uncovered.
+
+MLA models (DeepSeek-V3 / Pangu Ultra MoE) follow vLLM's DeepSeek-V2 module: `fused_qkv_a_proj`
+([q_a; kv_a_with_mqa] rows, replicated), `q_b_proj` and `kv_b_proj` split by rows (heads) over tp,
+`o_proj` by columns; shared experts are a dense MLP (`mlp.shared_experts.gate_up_proj`, `down_proj`);
+the sigmoid router's `e_score_correction_bias` and the MTP modules' norms and `eh_proj` replicated.
+
+Engines are independent replicas: engine k's ranks follow engine k-1's, from `rank_offset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from rlhf.config.schema import Attention, ModelConfig, RouterScoring
+from rlhf.model.shapes import param_shapes
+from weight_sync.layout import check_expert_map, default_expert_map
+from weight_sync.spec import Box, Piece, RankShards, ShardSpec
+
+Shape = tuple[int, ...]
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+@dataclass(frozen=True)
+class InferenceLayout:
+    """Degrees of each rollout engine (tp, ep) and how many engines there are."""
+
+    tp: int
+    ep: int = 1
+    engines: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "ep", "engines"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"inference layout {name}={v!r}: every degree must be an integer >= 1")
+        if self.ep > 1 and self.ep % self.tp:
+            raise ValueError(f"inference layout tp={self.tp} ep={self.ep}: ep must be 1 or a multiple of tp "
+                             f"(ep > tp runs data-parallel attention over ep / tp groups of tp ranks); "
+                             f"change ep or tp")
+
+    @property
+    def ranks_per_engine(self) -> int:
+        return self.tp if self.ep == 1 else self.ep
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_engine * self.engines
+
+    @property
+    def attention_dp(self) -> int:
+        """Data-parallel attention groups per engine."""
+        return self.ranks_per_engine // self.tp
+
+    def __str__(self) -> str:
+        return f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "") + ")"
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    vp = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    if vp % tp:
+        raise ValueError(f"vocabulary {vocab_size} padded to {vp} (a multiple of {VOCAB_PADDING}, as vLLM pads it) "
+                         f"does not split over tp={tp}; choose tp dividing {vp}")
+    return vp
+
+
+def _need(ok: bool, what: str, layout: InferenceLayout, cfg: ModelConfig) -> None:
+    if not ok:
+        raise ValueError(f"inference layout tp={layout.tp} ep={layout.ep} does not fit model {cfg.name}: {what}")
+
+
+def _check_fits(cfg: ModelConfig, lay: InferenceLayout) -> None:
+    tp, N, K = lay.tp, cfg.num_attention_heads, cfg.num_key_value_heads
+    _need(N % tp == 0, f"tp={tp} must divide the {N} attention heads", lay, cfg)
+    if cfg.attention is Attention.gqa:
+        _need(K % tp == 0 if tp <= K else tp % K == 0,
+              f"tp={tp} must divide the {K} KV heads, or be a multiple of them", lay, cfg)
+    if cfg.first_k_dense_layers:
+        _need(cfg.intermediate_size % tp == 0, f"tp={tp} must divide intermediate_size={cfg.intermediate_size}",
+              lay, cfg)
+    if cfg.num_shared_experts:
+        Is = cfg.num_shared_experts * cfg.shared_expert_intermediate_size
+        _need(Is % tp == 0, f"tp={tp} must divide the shared experts' intermediate size {Is}", lay, cfg)
+    if lay.ep == 1:
+        I = cfg.moe_intermediate_size
+        _need(I % tp == 0, f"tp={tp} must divide moe_intermediate_size={I} (experts split over tp)", lay, cfg)
+    else:
+        _need(cfg.num_experts % lay.ep == 0, f"ep={lay.ep} must divide the {cfg.num_experts} experts", lay, cfg)
+    padded_vocab(cfg.vocab_size, tp)
+
+
+class _RankBuilder:
+    """Buffers and pieces of one engine rank, appended in storage order."""
+
+    def __init__(self):
+        self.buffers: dict[str, Shape] = {}
+        self.pieces: list[Piece] = []
+
+    def buffer(self, name: str, shape: Shape) -> None:
+        self.buffers[name] = tuple(shape)
+
+    def piece(self, param: str, box: Box, buffer: str, offset: tuple[int, ...]) -> None:
+        self.pieces.append(Piece(param, box, buffer, offset))
+
+    def whole(self, param: str, shape: Shape) -> None:
+        """A replicated tensor: its own buffer, the whole global tensor."""
+        self.buffer(param, shape)
+        self.piece(param, Box.full(shape), param, (0,) * len(shape))
+
+    def fused_rows(self, buffer: str, parts: Sequence[tuple[str, int, int, int]]) -> None:
+        """A buffer of row blocks [sum rows, cols]: each part (param, first row, rows, cols) in order."""
+        cols = parts[0][3]
+        at = 0
+        for param, first, rows, c in parts:
+            self.piece(param, Box((first, 0), (rows, c)), buffer, (at, 0))
+            at += rows
+        self.buffer(buffer, (at, cols))
+
+    def cols(self, param: str, rows: int, first: int, cols: int) -> None:
+        """Row-parallel: columns [first, first + cols) of a [rows, *] tensor, in a buffer of the same name."""
+        self.buffer(param, (rows, cols))
+        self.piece(param, Box((0, first), (rows, cols)), param, (0, 0))
+
+
+def _attention(b: _RankBuilder, cfg: ModelConfig, shapes: dict[str, Shape], p: str, t: int, tp: int) -> None:
+    H, N, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if cfg.attention is Attention.gqa:
+        q = N // tp * D
+        kv_heads = K // tp if tp <= K else 1
+        first_head = t * kv_heads if tp <= K else t * K // tp
+        b.fused_rows(f"{p}.qkv_proj.weight", [(f"{p}.q_proj.weight", t * q, q, H),
+                                              (f"{p}.k_proj.weight", first_head * D, kv_heads * D, H),
+                                              (f"{p}.v_proj.weight", first_head * D, kv_heads * D, H)])
+        b.cols(f"{p}.o_proj.weight", H, t * N * D // tp, N * D // tp)
+        b.whole(f"{p}.q_norm.weight", shapes[f"{p}.q_norm.weight"])
+        b.whole(f"{p}.k_norm.weight", shapes[f"{p}.k_norm.weight"])
+        return
+    m = cfg.mla
+    kv_a = f"{p}.kv_a_proj_with_mqa.weight"
+    if m.q_lora_rank > 0:
+        b.fused_rows(f"{p}.fused_qkv_a_proj.weight", [(f"{p}.q_a_proj.weight", 0, m.q_lora_rank, H),
+                                                      (kv_a, 0, shapes[kv_a][0], H)])
+        b.whole(f"{p}.q_a_layernorm.weight", shapes[f"{p}.q_a_layernorm.weight"])
+        _rows(b, f"{p}.q_b_proj.weight", shapes, t, tp)
+    else:
+        _rows(b, f"{p}.q_proj.weight", shapes, t, tp)
+        b.whole(kv_a, shapes[kv_a])
+    b.whole(f"{p}.kv_a_layernorm.weight", shapes[f"{p}.kv_a_layernorm.weight"])
+    _rows(b, f"{p}.kv_b_proj.weight", shapes, t, tp)
+    rows, cols = shapes[f"{p}.o_proj.weight"]
+    b.cols(f"{p}.o_proj.weight", rows, t * cols // tp, cols // tp)
+
+
+def _rows(b: _RankBuilder, param: str, shapes: dict[str, Shape], t: int, tp: int) -> None:
+    """Column-parallel: rows split over tp, in a buffer of the same name."""
+    rows, cols = shapes[param]
+    b.fused_rows(param, [(param, t * rows // tp, rows // tp, cols)])
+
+
+def _dense_mlp(b: _RankBuilder, p: str, H: int, I: int, t: int, tp: int) -> None:
+    """vLLM's MergedColumnParallel gate_up_proj (gate rows, then up) and RowParallel down_proj."""
+    il = I // tp
+    b.fused_rows(f"{p}.gate_up_proj.weight", [(f"{p}.gate_proj.weight", t * il, il, H),
+                                              (f"{p}.up_proj.weight", t * il, il, H)])
+    b.cols(f"{p}.down_proj.weight", H, t * il, il)
+
+
+def _experts(b: _RankBuilder, cfg: ModelConfig, p: str, experts: Sequence[int], t: int, split: int) -> None:
+    """vLLM's FusedMoE buffers: w13 [E_local, 2 I_local, H] ([gate; up] per expert), w2 [E_local, H, I_local];
+    the intermediate dim split over `split` ranks (t is this rank's part)."""
+    H, il = cfg.hidden_size, cfg.moe_intermediate_size // split
+    w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+    b.buffer(w13, (len(experts), 2 * il, H))
+    b.buffer(w2, (len(experts), H, il))
+    rows, cols = Box((t * il, 0), (il, H)), Box((0, t * il), (H, il))
+    for j, e in enumerate(experts):
+        b.piece(f"{p}.experts.{e}.gate_proj.weight", rows, w13, (j, 0, 0))
+        b.piece(f"{p}.experts.{e}.up_proj.weight", rows, w13, (j, il, 0))
+        b.piece(f"{p}.experts.{e}.down_proj.weight", cols, w2, (j, 0, 0))
+
+
+def _vocab(b: _RankBuilder, param: str, V: int, H: int, t: int, tp: int) -> None:
+    per = padded_vocab(V, tp) // tp
+    b.buffer(param, (per, H))
+    first, last = t * per, min((t + 1) * per, V)
+    if last > first:  # a rank may hold only padding rows
+        b.piece(param, Box((first, 0), (last - first, H)), param, (0, 0))
+
+
+def _engine_rank(cfg: ModelConfig, shapes: dict[str, Shape], lay: InferenceLayout, i: int,
+                 emap: tuple[int, ...], mtp_layers: int) -> tuple[tuple[tuple[str, Shape], ...], tuple[Piece, ...]]:
+    """Buffers and pieces of rank i (0 <= i < W) of one engine."""
+    tp, t, H = lay.tp, i % lay.tp, cfg.hidden_size
+    L = cfg.num_hidden_layers
+    b = _RankBuilder()
+    _vocab(b, "model.embed_tokens.weight", cfg.vocab_size, H, t, tp)
+    for l in range(L + mtp_layers):
+        p = f"model.layers.{l}"
+        if l >= L:  # MTP module: its own norms and projection, then a decoder layer
+            for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm"):
+                b.whole(f"{p}.{n}.weight", shapes[f"{p}.{n}.weight"])
+        b.whole(f"{p}.input_layernorm.weight", shapes[f"{p}.input_layernorm.weight"])
+        _attention(b, cfg, shapes, f"{p}.self_attn", t, tp)
+        b.whole(f"{p}.post_attention_layernorm.weight", shapes[f"{p}.post_attention_layernorm.weight"])
+        if l < cfg.first_k_dense_layers:
+            _dense_mlp(b, f"{p}.mlp", H, cfg.intermediate_size, t, tp)
+            continue
+        b.whole(f"{p}.mlp.gate.weight", shapes[f"{p}.mlp.gate.weight"])
+        if cfg.router_scoring is RouterScoring.sigmoid:
+            b.whole(f"{p}.mlp.gate.e_score_correction_bias", shapes[f"{p}.mlp.gate.e_score_correction_bias"])
+        if lay.ep == 1:
+            _experts(b, cfg, f"{p}.mlp", range(cfg.num_experts), t, tp)
+        else:
+            _experts(b, cfg, f"{p}.mlp", [e for e in range(cfg.num_experts) if emap[e] == i], 0, 1)
+        if cfg.num_shared_experts:
+            _dense_mlp(b, f"{p}.mlp.shared_experts", H,
+                       cfg.num_shared_experts * cfg.shared_expert_intermediate_size, t, tp)
+    b.whole("model.norm.weight", shapes["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        _vocab(b, "lm_head.weight", cfg.vocab_size, H, t, tp)
+    return tuple(b.buffers.items()), tuple(b.pieces)
+
+
+def _is_mtp(name: str, num_hidden_layers: int) -> bool:
+    parts = name.split(".")
+    return name.startswith("model.layers.") and int(parts[2]) >= num_hidden_layers
+
+
+def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: int = 0,
+                      expert_map: Sequence[int] | None = None, include_mtp: bool = True) -> ShardSpec:
+    """The shard spec of all `layout.engines` engines, in HF names; engine k's rank i is
+    rank_offset + k * W + i. `expert_map[e]` = the engine rank holding expert e when ep > 1 (default
+    contiguous; equal counts per rank); the same map for every engine. `include_mtp`: the engines hold
+    the MTP modules (speculative decoding); without it the spec lists neither their tensors nor pieces."""
+    _check_fits(cfg, layout)
+    if layout.ep > 1:
+        emap = default_expert_map(cfg.num_experts, layout.ep) if expert_map is None else tuple(expert_map)
+        check_expert_map(emap, cfg.num_experts, layout.ep)
+    elif expert_map is not None:
+        raise ValueError("expert_map given for an inference layout with ep=1: every rank holds every expert")
+    else:
+        emap = ()
+    shapes = param_shapes(cfg)
+    if not include_mtp:
+        shapes = {n: s for n, s in shapes.items() if not _is_mtp(n, cfg.num_hidden_layers)}
+    W = layout.ranks_per_engine
+    # Pieces do not name their rank, so every engine shares one engine's (immutable) buffers and pieces.
+    mtp = cfg.num_mtp_layers if include_mtp else 0
+    per_local = [_engine_rank(cfg, shapes, layout, i, emap, mtp) for i in range(W)]
+    ranks = tuple(RankShards(rank_offset + k * W + i, *per_local[i])
+                  for k in range(layout.engines) for i in range(W))
+    return ShardSpec(f"engines {layout}", tuple(shapes.items()), ranks, cfg.dtype.value)
