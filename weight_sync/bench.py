@@ -23,7 +23,7 @@ from rlhf.config import load_model_config
 from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
 from weight_sync.layout import Layout
 from weight_sync.plan import Topology, plan_reshard
-from weight_sync.trainer_spec import trainer_describes, trainer_spec
+from rlhf.model.sharding import trainer_shard_spec
 
 
 def parse_layout(cls, text: str):
@@ -60,14 +60,13 @@ def run(args: argparse.Namespace) -> dict:
     src_layout, dst_layout = parse_layout(Layout, args.src), parse_layout(InferenceLayout, args.dst)
     topology = parse_topology(args.topology)
     t0 = time.perf_counter()
-    src = trainer_spec(cfg, src_layout)
+    src = trainer_shard_spec(cfg, src_layout)
     dst = engine_shard_spec(cfg, dst_layout, rank_offset=args.dst_rank_offset)
     t1 = time.perf_counter()
     plan = plan_reshard(src, dst, topology)
     t2 = time.perf_counter()
     out = plan.summary(topology)
     out |= {"model": cfg.name, "topology": topology.name, "dst_rank_offset": args.dst_rank_offset,
-            "src_spec": "trainer_shard_spec" if trainer_describes(cfg) else "stand-in (weight_sync.trainer_spec)",
             "simulated_seconds": out["floor_seconds"], "plan_seconds": round(t2 - t1, 3),
             "spec_seconds": round(t1 - t0, 3)}
     return out

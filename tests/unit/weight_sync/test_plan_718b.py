@@ -9,14 +9,14 @@ from rlhf.config import load_model_config
 from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
 from weight_sync.layout import Layout
 from weight_sync.plan import Topology, clear_plan_cache, plan_reshard
-from weight_sync.trainer_spec import trainer_spec
+from rlhf.model.sharding import trainer_shard_spec
 
 MODELS = Path(__file__).resolve().parents[3] / "configs" / "model"
 
 
 def test_pangu_718b_plan_builds_and_counts_every_destination_byte():
     cfg = load_model_config(MODELS / "pangu_ultra_moe_718b.yaml")
-    src = trainer_spec(cfg, Layout(pp=12, dp=4, tp=8, ep=4, experts_over_tp_ep=True))
+    src = trainer_shard_spec(cfg, Layout(pp=12, dp=4, tp=8, ep=4, experts_over_tp_ep=True))
     dst = engine_shard_spec(cfg, InferenceLayout(tp=4, ep=8, engines=12))
     clear_plan_cache()
     t0 = time.process_time()  # CPU seconds: the test machine's cores are shared

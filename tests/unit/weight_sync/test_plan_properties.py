@@ -16,7 +16,7 @@ from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
 from weight_sync.layout import Layout, default_expert_map
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import ShardSpec
-from weight_sync.trainer_spec import trainer_describes, trainer_spec
+from rlhf.model.sharding import trainer_shard_spec
 
 SENTINEL = 12345.0  # engine buffers start filled with it; padding rows must keep it
 
@@ -66,22 +66,15 @@ def cases(draw):
 
 
 def source_buffers(cfg, layout, emap, src: ShardSpec, full):
-    """Trainer buffers: through the trainer's own `local_tensors` where it describes the model, else by pieces."""
-    if trainer_describes(cfg):
-        return {r: local_tensors(full, rank_sharding(cfg, layout, r, emap)) for r in range(layout.world_size)}
-    out = {}
-    for r in src.ranks:
-        bufs = out[r.rank] = {n: torch.full(s, float("nan")) for n, s in r.buffers}
-        for p in r.pieces:
-            bufs[p.buffer][p.buffer_slices()] = full[p.param][p.box.slices()]
-    return out
+    """Trainer buffers, sliced by the trainer's own `local_tensors` (what the parallel trainer loads)."""
+    return {r: local_tensors(full, rank_sharding(cfg, layout, r, emap)) for r in range(layout.world_size)}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.integers(0, 2**31 - 1))
 def test_plan_copies_every_engine_buffer_exactly(case, seed):
     cfg, src_layout, src_map, dst_layout, dst_map, mtp, offset, topology = case
-    src = trainer_spec(cfg, src_layout, expert_map=src_map)
+    src = trainer_shard_spec(cfg, src_layout, expert_map=src_map)
     dst = engine_shard_spec(cfg, dst_layout, rank_offset=offset, expert_map=dst_map, include_mtp=mtp)
     plan = plan_reshard(src, dst, topology)
 

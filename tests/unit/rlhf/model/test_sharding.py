@@ -49,3 +49,25 @@ def test_non_contiguous_expert_map():
     experts = sorted({int(p.param.split(".")[5]) for p in s.pieces if ".experts." in p.param and "layers.1." in p.param})
     assert experts == [1, 2, 4, 7]
     trainer_shard_spec(CFG, layout, expert_map=emap).validate(must_cover=True)
+
+
+def test_pangu_spec_covers_the_checkpoint_mla_shared_experts_and_mtp():
+    from pathlib import Path
+
+    from rlhf.config import load_model_config
+    from weight_sync.spec import Box
+
+    pangu = load_model_config(Path(__file__).resolve().parents[4] / "configs" / "model" / "pangu_ultra_moe_718b.yaml")
+    spec = trainer_shard_spec(pangu, Layout(pp=4, dp=2, tp=4, ep=2, experts_over_tp_ep=True))
+    assert len(spec.ranks) == 32
+    boxes = {}  # every checkpoint tensor tiled by distinct boxes (validate() is quadratic at this size)
+    for r in spec.ranks:
+        for p in r.pieces:
+            boxes.setdefault(p.param, set()).add(p.box)
+    assert boxes.keys() == spec.shapes().keys()
+    for name, shape in spec.shapes().items():
+        assert sum(b.numel for b in boxes[name]) == Box.full(shape).numel, name
+    last = spec.ranks[-1].buffer_shapes()
+    assert last["model.layers.61.mlp.experts.gate_up_proj"] == (256 // 8, 2 * 2048, 7680)  # MTP on the last stage
+    assert last["model.layers.61.self_attn.q_b_proj.weight"] == (128 * 192 // 4, 1536)
+    assert last["model.layers.61.self_attn.o_proj.weight"] == (7680, 128 * 128 // 4)
