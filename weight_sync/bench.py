@@ -7,8 +7,11 @@
 `--src` is a training `Layout`, `--dst` an `InferenceLayout`, both as key=value lists. Engine ranks are
 numbered from `--dst-rank-offset` (default 0: engines co-located with the first trainer ranks, which
 makes their shared tensors local copies). `--simulate` plans only and reports the floor (the busiest
-rank's network bytes over its link) as the simulated time; running the plan over real processes is
-not written yet.
+rank's network bytes over its link) as the simulated time. Without it the plan runs over real gloo
+processes on this machine (one per rank of the transfer world), timed beside its measured floor and
+the gather-then-broadcast baseline (`weight_sync.bench_run`):
+
+    python -m weight_sync.bench --model configs/model/qwen3_moe_small.yaml --src pp=2,tp=2 --dst tp=1,ep=4,engines=1
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def parse_topology(text: str) -> Topology:
 def run(args: argparse.Namespace) -> dict:
     cfg = load_model_config(args.model)
     src_layout, dst_layout = parse_layout(Layout, args.src), parse_layout(InferenceLayout, args.dst)
+    if not args.simulate:
+        from weight_sync.bench_run import run_real
+
+        out = {"src": f"trainer {src_layout}", "dst": f"engines {dst_layout}", "model": cfg.name,
+               "dst_rank_offset": args.dst_rank_offset}
+        return out | run_real(cfg, src_layout, dst_layout, args.dst_rank_offset, args.bucket_mb << 20, args.repeats,
+                                 not args.no_checksum)
     topology = parse_topology(args.topology)
     t0 = time.perf_counter()
     src = trainer_shard_spec(cfg, src_layout)
@@ -74,7 +84,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_sync.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--simulate", action="store_true", help="plan and report the floor (required for now)")
+    parser.add_argument("--simulate", action="store_true", help="plan only and report the floor at the topology's bandwidth")
+    parser.add_argument("--bucket-mb", type=int, default=32, help="bucket size of the real run (MiB)")
+    parser.add_argument("--no-checksum", action="store_true", help="real run without the per-transfer checksum")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of the real run (best is kept)")
     parser.add_argument("--topology", default="cm384", help="cm384 or single_node:N")
     parser.add_argument("--model", required=True, help="model YAML, e.g. configs/model/pangu_ultra_moe_718b.yaml")
     parser.add_argument("--src", required=True, help="trainer layout, e.g. pp=12,dp=4,tp=8,ep=4,experts_over_tp_ep=1")
@@ -82,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dst-rank-offset", type=int, default=0,
                         help="first engine rank in the transfer world (0: co-located with the trainer's first ranks)")
     args = parser.parse_args(argv)
-    if not args.simulate:
-        parser.error("only --simulate is implemented: it plans the sync and reports the floor time; running the "
-                     "plan over real gloo processes is not written yet. Add --simulate.")
     try:
         out = run(args)
     except ValueError as e:
