@@ -24,6 +24,7 @@ from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.sharding import TrainerSharding, rank_sharding
 from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
+from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
 from weight_sync.layout import Layout, default_expert_map
@@ -76,8 +77,8 @@ class ParallelTrainer:
                                  self.dispatcher)
         self._apply_recompute(trainer_cfg.recompute)
         self.params = dict(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
-                                           eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
+        self.optimizer = ShardedAdamW(self._optimizer_buckets(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
+                                      eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
         self._offloaded: dict | None = None
 
@@ -102,10 +103,11 @@ class ParallelTrainer:
         """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step."""
         self._check_onloaded()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=False)
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
         if self.pipeline is not None:
             losses = self.pipeline.train(micro_batches, loss_fn, token_logprobs)
         else:
@@ -122,6 +124,16 @@ class ParallelTrainer:
         # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
         loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
         return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
+
+    def _optimizer_buckets(self) -> dict:
+        """Parameters grouped by the ranks holding identical copies of them (their gradient group):
+        each group shares one AdamW state, split over its ranks (ZeRO-1)."""
+        buckets: dict[str, tuple] = {}
+        for name, p in self.params.items():
+            group, kind = grad_group_of(name, self.groups)
+            size = self.groups.size(kind)
+            buckets.setdefault(kind, (group if size > 1 else None, size, self.groups.index(kind), []))[3].append(p)
+        return buckets
 
     def sync_grads(self) -> None:
         """Sum each gradient over the ranks that hold the same shard but saw other tokens; one flat
@@ -164,45 +176,37 @@ class ParallelTrainer:
 
     # --- co-location ---
     def offload(self) -> int:
-        """Move parameters, gradients and optimizer state to host memory, leaving the modules without
-        storage. Returns the bytes freed on the device (on cpu: bytes moved out of the live model)."""
+        """Move parameters, gradients and optimizer state (its parameter slices and moments) to host
+        memory, leaving the modules and the optimizer without storage; tensor objects stay the same, so
+        references held elsewhere remain valid. Returns the bytes moved."""
         if self._offloaded is not None:
             return 0
-        stash, nbytes = {}, 0
+        stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        grads: dict[str, torch.Tensor] = {}
         for name, p in self.params.items():
-            entry = {"param": p.data.to("cpu", copy=True) if p.device.type != "cpu" else p.data}
-            nbytes += p.numel() * p.element_size()
             if p.grad is not None:
-                entry["grad"] = p.grad.to("cpu", copy=True) if p.device.type != "cpu" else p.grad
-                nbytes += p.grad.numel() * p.grad.element_size()
+                grads[name] = p.grad.to("cpu", copy=True) if p.device.type != "cpu" else p.grad
                 p.grad = None
-            state = self.optimizer.state.get(p, {})
-            entry["state"] = {}
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.numel() > 1:
-                    entry["state"][k] = v.to("cpu", copy=True) if v.device.type != "cpu" else v
-                    nbytes += v.numel() * v.element_size()
-                    state[k] = torch.empty(0, dtype=v.dtype, device=v.device)
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            stash[name] = entry
-        self._offloaded = stash
-        return nbytes
+        for t in list(self.params.values()) + self.optimizer.owned_tensors():
+            host = t.data.to("cpu", copy=True) if t.device.type != "cpu" else t.data
+            stash.append((t, host))
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._offloaded = (stash, grads)
+        return sum(h.numel() * h.element_size() for _, h in stash) + sum(
+            g.numel() * g.element_size() for g in grads.values())
 
     def onload(self, device: str | torch.device = "cpu") -> int:
         """Restore what `offload` moved, bit-exactly. Returns the bytes restored."""
         if self._offloaded is None:
             return 0
+        stash, grads = self._offloaded
         nbytes = 0
-        for name, p in self.params.items():
-            entry = self._offloaded[name]
-            p.data = entry["param"].to(device)
-            nbytes += p.numel() * p.element_size()
-            if "grad" in entry:
-                p.grad = entry["grad"].to(device)
-                nbytes += p.grad.numel() * p.grad.element_size()
-            for k, v in entry["state"].items():
-                self.optimizer.state[p][k] = v.to(device)
-                nbytes += v.numel() * v.element_size()
+        for t, host in stash:
+            t.data = host.to(device)
+            nbytes += host.numel() * host.element_size()
+        for name, g in grads.items():
+            self.params[name].grad = g.to(device)
+            nbytes += g.numel() * g.element_size()
         self._offloaded = None
         return nbytes
 

@@ -81,14 +81,14 @@ def worker(rank, layout, model_dir, kw):
             res["norm"] = stats["grad_norm"]
             res["grads"] = {n: p.grad.clone() for n, p in tr.params.items()}
     before = {n: p.detach().clone() for n, p in tr.params.items()}
-    state_before = {n: {k: v.clone() for k, v in tr.optimizer.state[p].items() if torch.is_tensor(v)}
-                    for n, p in tr.params.items()}
+    state_before = [t.clone() for t in tr.optimizer.owned_tensors()]
     freed = tr.offload()
-    res["empty_after_offload"] = all(p.numel() == 0 for p in tr.params.values())
+    res["empty_after_offload"] = all(t.numel() == 0 for t in list(tr.params.values()) + tr.optimizer.owned_tensors())
     restored = tr.onload()
     res["offload_bytes"] = (freed, restored)
     res["offload_exact"] = all(torch.equal(before[n], p) for n, p in tr.params.items()) and all(
-        torch.equal(v, tr.optimizer.state[p][k]) for n, p in tr.params.items() for k, v in state_before[n].items())
+        torch.equal(a, b) for a, b in zip(state_before, tr.optimizer.owned_tensors()))
+    res["optimizer_state_bytes"] = tr.optimizer.state_bytes()
     sharding, tensors = tr.export_shards()
     res["sharding"], res["params"] = sharding, {n: t.clone() for n, t in tensors.items()}
     res["dispatch"] = tr.dispatcher.stats
@@ -171,3 +171,9 @@ def test_hierarchical_ep_equals_flat_exactly_and_crosses_nodes_less(model_dir, r
         h_bytes = sum(getattr(r["dispatch"], what) for r in hier)
         assert 0 < h_bytes < f_bytes, (what, h_bytes, f_bytes)
     assert sum(r["dispatch"].backward_inter_node for r in hier) == sum(r["dispatch"].backward_inter_node for r in flat)
+
+
+def test_optimizer_state_is_sharded_over_data_parallel_ranks(model_dir):
+    single = run_ranks(worker, 1, Layout(), str(model_dir), {}, timeout_s=240)[0]["optimizer_state_bytes"]
+    dp2 = [r["optimizer_state_bytes"] for r in run_ranks(worker, 2, Layout(dp=2), str(model_dir), {}, timeout_s=240)]
+    assert all(0.45 * single <= b <= 0.55 * single for b in dp2), (single, dp2)

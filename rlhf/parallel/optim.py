@@ -1,0 +1,80 @@
+"""AdamW with its state sharded over the ranks that hold identical copies of a parameter (ZeRO-1).
+
+After gradient sync, every rank of a parameter's reduction group (DP ranks; the whole stage for the
+router and q/k norms; expert replicas for experts) holds the same parameter and the same gradient.
+So each of the R ranks keeps AdamW state (exp_avg, exp_avg_sq) and the parameter values for one 1/R
+slice of the group's flattened parameters, steps only that slice with torch's own AdamW, and one
+all-gather per group rebuilds the full parameters. Optimizer-state memory drops by R; the update is
+elementwise, so the result equals an unsharded AdamW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class _Bucket:
+    kind: str
+    group: object  # process group, or None for a single rank
+    size: int  # ranks sharing the state
+    index: int  # this rank's slice
+    params: list[nn.Parameter]
+    numel: int
+    chunk: int  # slice length (the last slice is padded)
+    lo: int
+    hi: int
+    master: torch.Tensor  # this rank's slice of the flattened parameters (the optimizer's parameter)
+
+
+class ShardedAdamW:
+    def __init__(self, buckets: dict[str, tuple[object, int, int, list[nn.Parameter]]], lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float):
+        """`buckets`: kind -> (group, group size, this rank's index in it, parameters)."""
+        self.buckets: list[_Bucket] = []
+        for kind, (group, size, index, params) in buckets.items():
+            numel = sum(p.numel() for p in params)
+            chunk = -(-numel // size)
+            lo, hi = min(index * chunk, numel), min((index + 1) * chunk, numel)
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            master = flat[lo:hi].clone()
+            self.buckets.append(_Bucket(kind, group, size, index, params, numel, chunk, lo, hi, master))
+        self.opt = torch.optim.AdamW([b.master for b in self.buckets], lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay)
+
+    def step(self) -> None:
+        for b in self.buckets:
+            flat_grad = torch.cat([p.grad.reshape(-1) for p in b.params])
+            b.master.grad = flat_grad[b.lo:b.hi].clone()
+        self.opt.step()
+        for b in self.buckets:
+            if b.size == 1:
+                flat = b.master
+            else:
+                mine = b.master.new_zeros(b.chunk)
+                mine[: b.hi - b.lo] = b.master.detach()
+                parts = [torch.empty_like(mine) for _ in range(b.size)]
+                dist.all_gather(parts, mine, group=b.group)
+                flat = torch.cat(parts)[: b.numel]
+            offset = 0
+            with torch.no_grad():
+                for p in b.params:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            b.master.grad = None
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer owns (parameter slices, moments), for offload/onload."""
+        out = []
+        for b in self.buckets:
+            out.append(b.master)
+            state = self.opt.state.get(b.master, {})
+            out += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.owned_tensors())
