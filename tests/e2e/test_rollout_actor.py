@@ -1,0 +1,64 @@
+"""The vLLM engine as a Ray actor: generation with logprobs and weight versions, updates, and remote
+failures that reach the driver with role and rank instead of hanging it."""
+
+import os
+
+import pytest
+import torch
+
+from actors.remote import RoleError, spawn
+from rlhf.config import load_model_config
+from rlhf.config.schema import RolloutConfig
+from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
+from rlhf.model.hf_io import save_pretrained, to_hf_tensors
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+
+pytestmark = pytest.mark.vllm
+ray = pytest.importorskip("ray")
+TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    yield
+    ray.shutdown()
+
+
+def test_engine_actor_generates_and_updates(ray_session, tmp_path):
+    from actors.vllm_engine import VLLMEngine
+
+    cfg = load_model_config(TINY)
+    m1, m2 = Qwen3MoeForCausalLM(cfg), Qwen3MoeForCausalLM(cfg)
+    m1.init_weights(1, std=0.1)
+    m2.init_weights(2, std=0.1)
+    save_tokenizer(build_tokenizer(cfg.vocab_size), tmp_path)
+    save_pretrained(m1, tmp_path)
+    engine = spawn(VLLMEngine, "rollout", 0, str(tmp_path), RolloutConfig(max_new_tokens=4), max_model_len=64)
+    prompts = [[1, 5, 6, 14, 7, 17], [1, 9, 14, 9, 17]]
+    out = engine.call("generate", prompts, n=3, seed=0, timeout_s=600)
+    assert len(out) == 6 and {c.prompt_index for c in out} == {0, 1}
+    assert all(len(c.logp) == len(c.token_ids) > 0 and c.weight_version == 0 for c in out)
+    info = engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg)), version=7)
+    assert info["version"] == 7
+    assert {c.weight_version for c in engine.call("generate", prompts, n=1)} == {7}
+    with pytest.raises(RoleError, match=r"rollout rank 0: update_weights raised WeightUpdateRejected"):
+        engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg))[:-1], version=8)
+
+
+def test_failures_and_timeouts_name_role_and_rank(ray_session):
+    class Slow:  # defined here so Ray ships it by value to the worker
+        def wait(self, s):
+            import time
+
+            time.sleep(s)
+
+        def fail(self):
+            raise ValueError("bad input for this role")
+
+    slow = spawn(Slow, "reward", 3, num_cpus=0)
+    with pytest.raises(RoleError, match="reward rank 3: fail raised ValueError: bad input"):
+        slow.call("fail")
+    with pytest.raises(RoleError, match="reward rank 3: wait did not answer within 1 s"):
+        slow.call("wait", 30, timeout_s=1)
