@@ -1,0 +1,1 @@
+"""RL maths as small pure functions over named tensors: advantages, policy losses, KL estimators."""
