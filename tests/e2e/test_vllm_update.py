@@ -112,3 +112,31 @@ def test_update_failing_during_reload_refuses_to_serve_until_a_good_one(setup):
     assert engine.generate(seqs[:1, :4].tolist(), n=1, max_tokens=2)[0].weight_version == 6
     lp = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
     assert (lp - _ours(m2, seqs)).abs().max() <= 1e-5
+
+
+def test_sampling_is_deterministic_for_a_seed(setup):
+    engine, m1, m2, seqs = setup
+    prompts = seqs[:4, :5].tolist()
+    a = engine.generate(prompts, n=3, max_tokens=5, seed=11)
+    b = engine.generate(prompts, n=3, max_tokens=5, seed=11)
+    assert [(c.token_ids, c.logp) for c in a] == [(c.token_ids, c.logp) for c in b]
+    assert len(a) == 12 and all(c.finish_reason in ("stop", "length") for c in a)
+
+
+def test_tensor_parallel_engine_updates_exactly(tmp_path):
+    """TP=2 on CPU: both workers install the update; logprobs follow the new weights."""
+    from actors.vllm_engine import VLLMEngine
+
+    m1, m2 = _model(1), _model(2)
+    save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
+    save_pretrained(m1, tmp_path)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
+    seqs = torch.randint(3, m1.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(1))
+    seqs[:, 0] = 1
+    fresh1 = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
+    assert (fresh1 - _ours(m1, seqs)).abs().max() <= 1e-5
+    info = engine.update_weights(_hf(m2), version=1)
+    assert info["workers"] == 2
+    assert (torch.tensor(engine.sequence_logprobs(seqs.tolist())) - _ours(m2, seqs)).abs().max() <= 1e-5
+    engine.update_weights(_hf(m1), version=2)
+    assert (torch.tensor(engine.sequence_logprobs(seqs.tolist())) - fresh1).abs().max() <= 1e-6
