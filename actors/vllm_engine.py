@@ -139,6 +139,19 @@ class VLLMEngine:
         self.weight_version = version
         return replies
 
+    def close(self) -> None:
+        """Stop the engine's processes now (rather than at interpreter exit)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        self.llm = None
+        import gc
+
+        gc.collect()
+
     # --- memory switching (co-location) ---
     def sleep(self, level: int = 1) -> dict:
         """Release weights (level 2) or offload them and drop the KV cache (level 1) so co-located roles

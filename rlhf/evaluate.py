@@ -74,6 +74,7 @@ def evaluate(cfg: RunConfig, log=print) -> dict:
     gen_s = time.time() - t0
     rewards = [float(is_correct(tok.decode(s.token_ids, skip_special_tokens=True), rows[s.prompt_index].answer))
                for s in samples]
+    engine.close()
     n_tokens = sum(len(s.token_ids) for s in samples)
     log(f"eval: rollout {len(rows)} prompts x {cfg.algorithm.group_size}: mean reward "
         f"{sum(rewards) / len(rewards):.3f}, {n_tokens / gen_s:.0f} tokens/s")

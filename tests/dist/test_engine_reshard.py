@@ -57,8 +57,10 @@ def worker(rank, start_dir):
     with torch.no_grad():
         ours = token_logprobs(_model(2)(seqs), seqs)[0]
     parity = logprob_parity(ours, engine_lp, torch.ones_like(ours))
-    return {"received": stats.bytes_received, "parity": parity, "info": info, "minimal": plan.bytes_minimal,
-            "sleep": engine.sleep(), "wake": engine.wake_up()}
+    out = {"received": stats.bytes_received, "parity": parity, "info": info, "minimal": plan.bytes_minimal,
+           "sleep": engine.sleep(), "wake": engine.wake_up()}
+    engine.close()
+    return out
 
 
 def test_engine_runs_the_trainers_weights_after_a_resharded_update(tmp_path):

@@ -36,7 +36,8 @@ def setup(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     seqs = torch.randint(3, m1.config.vocab_size, (12, 16), generator=g)
     seqs[:, 0] = 1
-    return engine, m1, m2, seqs
+    yield engine, m1, m2, seqs
+    engine.close()
 
 
 def _ours(model, seqs):
@@ -131,6 +132,13 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
     engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
+    try:
+        _check_tp2(engine, m1, m2)
+    finally:
+        engine.close()
+
+
+def _check_tp2(engine, m1, m2):
     seqs = torch.randint(3, m1.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(1))
     seqs[:, 0] = 1
     fresh1 = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
