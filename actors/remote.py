@@ -29,10 +29,15 @@ class RoleHandle:
 
         ray.kill(self.actor, no_restart=True)
 
+    def submit(self, method: str, *args, **kwargs):
+        return getattr(self.actor, method).remote(*args, **kwargs)
+
     def call(self, method: str, *args, timeout_s: float = 300.0, **kwargs) -> Any:
+        return self.wait(method, self.submit(method, *args, **kwargs), timeout_s)
+
+    def wait(self, method: str, ref, timeout_s: float) -> Any:
         import ray
 
-        ref = getattr(self.actor, method).remote(*args, **kwargs)
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -49,12 +54,25 @@ class RoleHandle:
                             f"{str(cause).splitlines()[0] if str(cause) else ''}") from cause
 
 
-def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, resources: dict | None = None,
-          placement_group=None, bundle_index: int | None = None, **kwargs) -> RoleHandle:
+def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0) -> list[Any]:
+    """Start every (handle, method, args, kwargs) call at once, then wait for all under one deadline:
+    collective methods (every rank of a group must enter them) never wait on a rank not yet called.
+    The first failure or timeout raises RoleError naming its role and rank."""
+    import time
+
+    refs = [(h, m, h.submit(m, *a, **kw)) for h, m, a, kw in calls]
+    deadline = time.monotonic() + timeout_s
+    return [h.wait(m, ref, max(deadline - time.monotonic(), 0.01)) for h, m, ref in refs]
+
+
+def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,
+          placement_group=None, bundle_index: int | None = None, name_prefix: str = "", **kwargs) -> RoleHandle:
     """Start `cls(*args, **kwargs)` as a Ray actor (in a placement-group bundle when given)."""
     import ray
 
-    options: dict = {"num_cpus": num_cpus, "name": f"{role}-{rank}", "max_restarts": 0}
+    options: dict = {"num_cpus": num_cpus, "name": f"{name_prefix}{role}-{rank}", "max_restarts": 0}
+    if num_gpus:
+        options["num_gpus"] = num_gpus
     if resources:
         options["resources"] = resources
     if placement_group is not None:

@@ -114,6 +114,44 @@ class VLLMEngine:
                                        f"({len(missing)} tensors); this engine host must hold every tensor")
         return self.update_weights(staging.items(), version)
 
+    # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
+    def address(self) -> tuple[str, int]:
+        from actors.trainer_worker import node_address
+
+        return node_address()
+
+    def join_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                  timeout_s: float = 120.0) -> bool:
+        from weight_sync.group import transfer_group
+
+        self.sync_group, self.sync_rank = transfer_group(backend, host, port, rank, world_size, timeout_s), rank
+        return True
+
+    def receive_weights(self, sync, version: int) -> dict:
+        """Receive this engine's part of the sync plan (`weight_sync.engine_sync.SyncLayout`) into its
+        fused buffers, verify every region's checksum against what the trainer ranks sent, then install
+        the weights exactly in every worker. Raises (naming tensor and ranks) on a checksum mismatch,
+        before any weight is touched."""
+        import time
+
+        import torch
+
+        from weight_sync.p2p import run_plan
+
+        t0 = time.time()
+        spec = sync.dst_spec()
+        mine = next(r for r in spec.ranks if r.rank == self.sync_rank)
+        if getattr(self, "_sync_buffers", None) is None:
+            dtype = getattr(torch, spec.dtype)
+            self._sync_buffers = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
+        stats = run_plan(sync.plan(), self.sync_rank, None, self._sync_buffers, next(iter(self._sync_buffers.values())).dtype,
+                         group=self.sync_group)
+        t1 = time.time()
+        info = self.update_from_pieces(self._sync_buffers, mine.pieces, spec.shapes(), version)
+        return {"bytes_received": stats.bytes_received, "checked_transfers": stats.checked_transfers,
+                "transfer_seconds": t1 - t0, "install_seconds": time.time() - t1, "start": t0,
+                "seconds": time.time() - t0, "version": info["version"]}
+
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.
 

@@ -3,6 +3,8 @@
     rlhf make-tiny DIR [--model YAML] [--seed N] [--target-accuracy F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
+    rlhf plan RUN.yaml [key=value ...]      device map, memory estimate, weight-sync plan (starts nothing)
+    rlhf train RUN.yaml [key=value ...]     the RL run; on a cluster: ray job submit -- rlhf train RUN.yaml
 
 Commands that produce a result end with one JSON line on stdout.
 """
@@ -10,23 +12,11 @@ Commands that produce a result end with one JSON line on stdout.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-def _jsonable(obj):
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Enum):
-        return obj.value
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(x) for x in obj]
-    return obj
 
 
 def _make_tiny(args) -> int:
@@ -44,9 +34,10 @@ def _check(args) -> int:
     import yaml
 
     from rlhf.config import load_run_config
+    from rlhf.config.load import as_dict
 
     cfg = load_run_config(args.config, args.overrides)
-    print(yaml.safe_dump(_jsonable(cfg), sort_keys=False), end="")
+    print(yaml.safe_dump(as_dict(cfg), sort_keys=False), end="")
     return 0
 
 
@@ -56,6 +47,27 @@ def _eval(args) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     result = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result))
+    return 0
+
+
+def _train(args) -> int:
+    from rlhf.config import load_run_config
+    from rlhf.driver import train
+
+    cfg = load_run_config(args.config, args.overrides)
+    result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result))
+    return 0
+
+
+def _plan(args) -> int:
+    from rlhf.config import load_run_config
+    from rlhf.placement import device_map, plan_report
+
+    cfg = load_run_config(args.config, args.overrides)  # validates the placement too
+    lines, result = plan_report(cfg, device_map(cfg))
+    print("\n".join(lines), file=sys.stderr, flush=True)
     print(json.dumps(result))
     return 0
 
@@ -73,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_make_tiny)
 
     for name, func, text in (("check", _check, "validate a run config and print it resolved"),
+                             ("plan", _plan, "print the device map, memory estimate and weight-sync plan"),
+                             ("train", _train, "run RL training (embedded local Ray unless RAY_ADDRESS is set)"),
                              ("eval", _eval, "score the run's policy on its held-out prompts (torch and vLLM)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="run YAML, e.g. configs/tiny_cpu.yaml")
@@ -80,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
 
     args = parser.parse_args(argv)
+    from actors.remote import RoleError
     from rlhf.config.validate import ConfigError
     from rlhf.data.prompts import DatasetError
 
@@ -88,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as e:
         print(f"rlhf {args.command}: {e}", file=sys.stderr)
         return 2
+    except RoleError as e:  # a role failed or timed out: its role, rank and method, not a hang
+        print(f"rlhf {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

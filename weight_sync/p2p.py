@@ -73,11 +73,21 @@ def _buckets(transfers: tuple[Transfer, ...], elem_bytes: int, bucket_bytes: int
     return out if out[0] else []
 
 
+def _isend(buf: torch.Tensor, peer: int, group):
+    return dist.isend(buf, dst=peer) if group is None else group.send([buf], peer, 0)
+
+
+def _irecv(buf: torch.Tensor, peer: int, group):
+    return dist.irecv(buf, src=peer) if group is None else group.recv([buf], peer, 0)
+
+
 def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None,
              dtype: torch.dtype, group=None, bucket_bytes: int = 32 << 20, verify: bool = True,
              fault_injector: Callable[[int, torch.Tensor], None] | None = None) -> SyncStats:
-    """Move this rank's part of `plan`. `fault_injector(peer, received_bucket)`, for tests only, may
-    alter a received bucket before it is copied in (the checksum must then catch it)."""
+    """Move this rank's part of `plan`. `group`: None for the default torch.distributed group (plan
+    ranks are global ranks), or a process group whose ranks are the plan's ranks, used through its own
+    send / recv (`weight_sync.group.transfer_group`). `fault_injector(peer, received_bucket)`, for
+    tests only, may alter a received bucket before it is copied in (the checksum must then catch it)."""
     t0 = time.perf_counter()
     stats = SyncStats()
     elem = torch.empty((), dtype=dtype).element_size()
@@ -100,14 +110,14 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         for s, buckets in incoming.items():
             if r < len(buckets):
                 buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype)
-                recvs[s] = (dist.irecv(buf, src=s, group=group), buf, buckets[r])
+                recvs[s] = (_irecv(buf, s, group), buf, buckets[r])
         for d, buckets in outgoing.items():
             if r < len(buckets):
                 parts = [src[t.src_buffer][t.src_slices()].reshape(-1) for t in buckets[r]]
                 if verify:
                     sent_sums[d] += [region_checksum(p) for p in parts]
                 buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-                pending_sends.append((dist.isend(buf, dst=d, group=group), buf))
+                pending_sends.append((_isend(buf, d, group), buf))
                 stats.bytes_sent += buf.numel() * elem
                 stats.buckets_sent += 1
         return recvs
@@ -144,12 +154,11 @@ def _signed(x: int) -> int:
 
 def _compare_checksums(rank: int, sent: dict[int, list[int]], received: dict[int, list[tuple[Transfer, int]]],
                        group) -> None:
-    works = [dist.isend(torch.tensor([_signed(x) for x in sums], dtype=torch.int64), dst=d, group=group)
-             for d, sums in sent.items()]
+    works = [_isend(torch.tensor([_signed(x) for x in sums], dtype=torch.int64), d, group) for d, sums in sent.items()]
     bad = []
     for s, got in received.items():
         want = torch.empty(len(got), dtype=torch.int64)
-        dist.recv(want, src=s, group=group)
+        _irecv(want, s, group).wait()
         bad += [(t, s) for (t, value), w in zip(got, want.tolist()) if value != w & 0xFFFFFFFFFFFFFFFF]
     for w in works:
         w.wait()

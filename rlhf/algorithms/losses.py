@@ -67,7 +67,7 @@ def gspo_loss(logp_BT, old_logp_BT, advantages_B, mask_BT, clip_low: float, clip
     with torch.no_grad():
         clip_fraction = float((clipped < unclipped).float().mean())
     loss = per_seq.sum() / (normaliser if normaliser is not None else per_seq.shape[0])
-    return LossStats(loss, clip_fraction, float(ratio_B.mean()))
+    return LossStats(loss, clip_fraction, float(ratio_B.detach().mean()))
 
 
 def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

@@ -81,6 +81,19 @@ def _load(schema_cls: type[T], path: Path, overrides: Sequence[str]) -> T:
         raise ConfigError(f"{path}: {_describe(e)}") from None
 
 
+def as_dict(cfg) -> Any:
+    """A config as plain YAML/JSON values (enums by value, tuples as lists): for printing and tracking."""
+    from enum import Enum
+
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: as_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Enum):
+        return cfg.value
+    if isinstance(cfg, (list, tuple)):
+        return [as_dict(x) for x in cfg]
+    return cfg
+
+
 def _is_section(schema_cls: type, name: str) -> bool:
     f = next(f for f in dataclasses.fields(schema_cls) if f.name == name)
     return dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False

@@ -157,6 +157,9 @@ class RolloutConfig:
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    # Trainer/engine logprob parity: a step whose max |trainer - engine| logprob difference on the sampled
+    # tokens exceeds this is reported (a stale or mis-installed weight shows up at once).
+    parity_max_abs: float = 1e-3
 
 
 class DistBackend(Enum):
@@ -194,11 +197,55 @@ class DeviceType(Enum):
 
 
 @dataclass(frozen=True)
+class RolePlacement:
+    """Where one role's ranks run: `devices` lists a device per rank, in rank order, as global device
+    indices (node * devices_per_node + local index) written "0-3", "0,2" or "0-1,4-5". Empty: the
+    default policy of `PlacementConfig.colocate` chooses (see `rlhf.placement`)."""
+
+    devices: str = ""
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
+    """The cluster and which devices each role uses. Parallel layouts live in `trainer` and `rollout`;
+    the placement says where their ranks sit."""
+
     device_type: DeviceType = DeviceType.cpu
     nodes: int = 1
     devices_per_node: int = 2
-    colocate: bool = True  # trainer, reference and engines time-share devices
+    # Nodes that share one high-bandwidth fabric domain (a CloudMatrix 384 is 48 nodes x 8 NPUs on one
+    # fabric); 0: all nodes form one domain.
+    nodes_per_fabric: int = 0
+    # Per device, per direction, inside a fabric domain and across domains (GB/s): the floor of a sync.
+    fabric_gbytes_per_s: float = 10.0
+    cross_fabric_gbytes_per_s: float = 10.0
+    # Memory of one device (GiB; 0: unknown). Only `rlhf plan` reads it: to size vLLM's share
+    # (rollout.gpu_memory_utilization) on cuda/npu and to flag devices whose estimate does not fit.
+    device_memory_gib: float = 0.0
+    # Default policy for roles without explicit devices: every role from device 0 (co-located, roles
+    # time-share devices) or the trainer (and reference) first and the rollout engines on the next devices.
+    colocate: bool = True
+    # On cpu a device is a Ray bundle holding this custom resource (never "GPU" or "NPU": Ray probes
+    # real hardware for those names) and `cpus_per_device` CPUs.
+    device_resource: str = "rlhf_device"
+    cpus_per_device: float = 1.0
+    trainer: RolePlacement = field(default_factory=RolePlacement)
+    reference: RolePlacement = field(default_factory=RolePlacement)
+    rollout: RolePlacement = field(default_factory=RolePlacement)
+    reward: RolePlacement = field(default_factory=RolePlacement)
+
+
+class RewardKind(Enum):
+    exact_match = "exact_match"  # the tiny task's integer answer (rlhf.data.arithmetic.is_correct)
+    math_verify = "math_verify"  # math answers compared symbolically by HF math-verify
+    model = "model"  # a reward model: our decoder with a scalar head, from `reward.model_path`
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    kind: RewardKind = RewardKind.exact_match
+    workers: int = 1  # reward actors; samples are split over them
+    model_path: Optional[str] = None  # HF directory of the reward model (kind: model)
 
 
 class TrackingMode(Enum):
@@ -229,11 +276,13 @@ class CheckpointConfig:
 class RunConfig:
     seed: int = 0
     steps: int = 10
+    eval_every: int = 10  # greedy held-out accuracy every this many steps (and at the start and the end)
     output_dir: str = "out/run"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

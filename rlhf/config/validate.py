@@ -162,4 +162,9 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def validate_run(cfg: RunConfig) -> None:
-    _raise(run_problems(cfg), "run config")
+    from rlhf.placement import cluster_problems, placement_problems  # lazy: rlhf.placement imports this module
+
+    p = run_problems(cfg)
+    # Where ranks sit depends on the layouts: check the whole placement once they are valid, the file alone before.
+    p += cluster_problems(cfg.placement) if p else placement_problems(cfg)
+    _raise(p, "run config")

@@ -67,6 +67,31 @@ class ShardedAdamW:
                     offset += p.numel()
             b.master.grad = None
 
+    # --- checkpoints ---
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state as `<bucket kind>/<master|exp_avg|exp_avg_sq|step>`. Before the
+        first step torch's AdamW holds no state; it then starts from zero moments and step 0, which is
+        what is returned, so a state taken at any time loads the same way."""
+        out: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            state = self.opt.state.get(b.master) or {}
+            out[f"{b.kind}/master"] = b.master
+            out[f"{b.kind}/exp_avg"] = state.get("exp_avg", torch.zeros_like(b.master))
+            out[f"{b.kind}/exp_avg_sq"] = state.get("exp_avg_sq", torch.zeros_like(b.master))
+            out[f"{b.kind}/step"] = state.get("step", torch.tensor(0.0))
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_tensors` returned, bit-exactly (keys and shapes checked by the caller)."""
+        for b in self.buckets:
+            with torch.no_grad():
+                b.master.copy_(tensors[f"{b.kind}/master"])
+            self.opt.state[b.master] = {
+                "step": tensors[f"{b.kind}/step"].detach().clone(),  # stays on host, as torch keeps it
+                "exp_avg": tensors[f"{b.kind}/exp_avg"].detach().to(b.master.device, copy=True),
+                "exp_avg_sq": tensors[f"{b.kind}/exp_avg_sq"].detach().to(b.master.device, copy=True),
+            }
+
     def owned_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer owns (parameter slices, moments), for offload/onload."""
         out = []

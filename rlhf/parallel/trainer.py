@@ -1,5 +1,5 @@
 """The parallel MoE policy trainer of one rank: logprobs, loss backward, gradient sync, clip, AdamW,
-offload/onload, recomputation and shard export. A plain class; a Ray actor hosts it.
+offload/onload, recomputation, shard export and checkpoint state. A plain class; a Ray actor hosts it.
 
 Every rank of the layout runs the same calls with the micro-batches of its DP index (TP ranks and
 pipeline stages of one DP index get the same micro-batches; every rank of a stage must run the same
@@ -210,9 +210,9 @@ class ParallelTrainer:
         self._offloaded = None
         return nbytes
 
-    def _check_onloaded(self) -> None:
+    def _check_onloaded(self, before: str = "training") -> None:
         if self._offloaded is not None:
-            raise RuntimeError("trainer is offloaded: call onload() before training")
+            raise RuntimeError(f"trainer is offloaded: call onload() before {before}")
 
     # --- export ---
     def export_shards(self) -> tuple[TrainerSharding, dict[str, torch.Tensor]]:
@@ -220,6 +220,37 @@ class ParallelTrainer:
         which HF tensor each holds: the resharding layer's input."""
         self._check_onloaded()
         return self.sharding, {n: p.detach() for n, p in self.params.items()}
+
+    # --- checkpoints ---
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's training state: its parameters (by our parameter name) and its optimizer state
+        (`optim/<bucket kind>/<master|exp_avg|exp_avg_sq|step>`; bucket kinds are gradient groups: dp,
+        stage, expert_replica). Tensors share storage with the trainer; copy them before training on."""
+        self._check_onloaded("taking its state")
+        sd = {name: p.detach() for name, p in self.params.items()}
+        sd |= {f"optim/{k}": t.detach() for k, t in self.optimizer.state_tensors().items()}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Restore a `state_dict` of the same rank of the same layout, bit-exactly. `source` names where
+        `sd` came from in errors (e.g. the checkpoint file and the layout it was saved with)."""
+        self._check_onloaded("loading a state")
+        want = {k: (tuple(t.shape), t.dtype) for k, t in self.state_dict().items()}
+        where = f"{source} does not fit this trainer (layout {self.layout}, rank {self.rank})"
+        missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+        if missing or unexpected:
+            raise ValueError(f"{where}: missing keys {missing[:3]} ({len(missing)} in all), unexpected keys "
+                             f"{unexpected[:3]} ({len(unexpected)} in all); a state loads only into the layout, "
+                             "expert map and stage split it was saved with")
+        for k, (shape, dtype) in want.items():
+            if (tuple(sd[k].shape), sd[k].dtype) != (shape, dtype):
+                raise ValueError(f"{where}: {k} is {tuple(sd[k].shape)} {sd[k].dtype} there, {shape} {dtype} "
+                                 "here; a state loads only into the layout, expert map and stage split it was "
+                                 "saved with")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(sd[name])
+        self.optimizer.load_state_tensors({k[len("optim/"):]: t for k, t in sd.items() if k.startswith("optim/")})
 
     def router_stats(self) -> torch.Tensor:
         """Tokens per expert per MoE layer of this stage's last forward, summed over the stage."""

@@ -18,14 +18,6 @@ ray = pytest.importorskip("ray")
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
-    yield
-    ray.shutdown()
-
-
 def test_engine_actor_generates_and_updates(ray_session, tmp_path):
     from actors.vllm_engine import VLLMEngine
 

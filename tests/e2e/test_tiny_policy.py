@@ -1,26 +1,10 @@
 """The tiny world end to end: `rlhf make-tiny` builds a policy in range; vLLM agrees with our model on it."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _rlhf(*args, timeout=900):
-    r = subprocess.run([sys.executable, "-m", "rlhf.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO)
-    assert r.returncode == 0, f"rlhf {args[0]} failed:\n{r.stderr[-4000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "policy"
-    return d, _rlhf("make-tiny", d)
 
 
 def test_make_tiny_size_accuracy_and_files(tiny):
@@ -34,7 +18,7 @@ def test_make_tiny_size_accuracy_and_files(tiny):
 
 
 @pytest.mark.vllm
-def test_vllm_greedy_equals_our_model(tiny, tmp_path):
+def test_vllm_greedy_equals_our_model(tiny, tmp_path, run_rlhf):
     d, summary = tiny
     run = tmp_path / "run.yaml"
     run.write_text(f"""
@@ -51,7 +35,7 @@ algorithm:
 trainer:
   mini_batch_size: 32
 """)
-    result = _rlhf("eval", run)
+    result = run_rlhf("eval", run)
     assert result["greedy_agreement"] == 1.0  # every held-out greedy completion token-identical
     assert result["heldout_accuracy_vllm"] == result["heldout_accuracy_torch"] == summary["heldout_accuracy"]
     assert result["rollout_samples"] == 32

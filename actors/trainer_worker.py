@@ -1,0 +1,169 @@
+"""One rank of the policy trainer or of the reference model, as a plain class (a Ray actor where the
+driver spawns it).
+
+Every rank of a role joins that role's own torch.distributed group (the training layout); trainer
+ranks also join the weight-sync group with the rollout engines (`weight_sync.group`). The driver sends
+every rank the whole `TokenBatch` (one Ray object, shared); each rank takes its DP index's share,
+balanced by tokens (`TokenBatch.micro_batches`), so no rank waits on another's scatter.
+
+The reference is a `PolicyWorker`: the same sharded model, frozen, offloaded between uses.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
+from rlhf.batch import TokenBatch
+from rlhf.config.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
+from rlhf.parallel.comm import backend_for, init_process_group
+from rlhf.parallel.trainer import ParallelTrainer
+from weight_sync.layout import Layout
+
+
+def node_address() -> tuple[str, int]:
+    """This node's address and a free TCP port on it (rank 0 hosts the group's store there)."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:
+        host = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+class PolicyWorker:
+    """A rank of a sharded policy that computes per-token logprobs (the reference role)."""
+
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, device_type: DeviceType,
+                 rank: int, model_dir: str, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.model_cfg, self.tcfg, self.device_type, self.rank = model_cfg, trainer_cfg, device_type, rank
+        self.model_dir = model_dir
+        self.layout = Layout(pp=trainer_cfg.pp, dp=trainer_cfg.dp, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
+                             experts_over_tp_ep=trainer_cfg.experts_over_tp_ep)
+        self.trainer: ParallelTrainer | None = None
+
+    def address(self) -> tuple[str, int]:
+        return node_address()
+
+    def init(self, master_addr: str, master_port: int) -> dict:
+        """Join this role's process group and load this rank's shards."""
+        t0 = time.time()
+        init_process_group(self.rank, self.layout.world_size, master_addr, master_port, self.device_type.value,
+                           self.tcfg.backend.value, self.tcfg.collective_timeout_s)
+        self.trainer = ParallelTrainer(self.model_cfg, self.tcfg, self.layout, self.rank, self.model_dir)
+        return {"rank": self.rank, "seconds": time.time() - t0}
+
+    @property
+    def _returns_rows(self) -> bool:
+        """Whether this rank's logprobs are the ones the driver keeps (last stage, TP index 0)."""
+        c = self.layout.coords(self.rank)
+        return self.trainer.is_last_stage and c.tp == 0
+
+    def logprobs(self, batch: TokenBatch) -> dict | None:
+        """Per-token logprobs and entropies [rows, T-1] of this DP rank's samples, from one rank per DP
+        index; None from the others."""
+        t0 = time.time()
+        self.trainer.onload(self._device())
+        c = self.layout.coords(self.rank)
+        mbs = batch.micro_batches(range(len(batch)), self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
+        out = self.trainer.logprobs(mbs)
+        if not self._returns_rows:
+            return None
+        T = batch.mask_BT.shape[1]
+        rows = torch.cat([mb.extras["rows"] for mb in mbs])
+        logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
+        ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
+        return {"rows": rows, "logp": logp, "entropy": ent, "start": t0, "seconds": time.time() - t0}
+
+    def offload(self) -> int:
+        return self.trainer.offload()
+
+    def onload(self) -> int:
+        return self.trainer.onload(self._device())
+
+    def _device(self) -> str:
+        return "cpu" if self.device_type is DeviceType.cpu else self.device_type.value
+
+
+class TrainerWorker(PolicyWorker):
+    """A rank of the policy trainer: logprobs, the policy update, weight sync, checkpoints."""
+
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, algorithm_cfg: AlgorithmConfig,
+                 device_type: DeviceType, rank: int, model_dir: str, threads: int = 1):
+        super().__init__(model_cfg, trainer_cfg, device_type, rank, model_dir, threads)
+        self.algo = algorithm_cfg
+        self.sync_group = None
+
+    def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]]) -> dict:
+        """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
+        same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
+        count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""
+        t0 = time.time()
+        self.trainer.onload(self._device())
+        c = self.layout.coords(self.rank)
+        record, losses, norms = LossRecord(), [], []
+        for _ in range(self.tcfg.epochs):
+            for rows in mini_batches:
+                rows = list(rows)
+                normaliser = loss_normaliser(self.algo, batch.mask_BT[rows])
+                mbs = batch.micro_batches(rows, self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
+                out = self.trainer.train_step(
+                    mbs, lambda logp, ent, mb: policy_loss(self.algo, logp, ent, mb.extras, normaliser, record))
+                losses.append(out["loss"])
+                norms.append(out["grad_norm"])
+        n = max(record.tokens, 1.0)
+        stats = {"loss": sum(losses) / len(losses), "grad_norm": max(norms), "optimizer_steps": len(losses),
+                 "clip_fraction": record.clip_fraction / n, "ratio_mean": record.ratio / n,
+                 "kl": record.kl / n, "entropy": record.entropy / n, "tokens": record.tokens}
+        router = self.trainer.router_stats()  # a collective over the stage: every rank calls it
+        # every rank reports its own token-weighted sums; the driver combines DP ranks
+        return {"stats": stats, "start": t0, "seconds": time.time() - t0,
+                "router": router.tolist() if self._returns_rows else None}
+
+    # --- weight sync ---
+    def join_sync(self, host: str, port: int, world_size: int) -> bool:
+        from weight_sync.group import transfer_group
+
+        backend = backend_for(self.device_type.value, self.tcfg.backend.value)
+        self.sync_group = transfer_group(backend, host, port, self.rank, world_size, self.tcfg.collective_timeout_s)
+        return True
+
+    def send_weights(self, sync) -> dict:
+        """Send this rank's part of the sync plan (`weight_sync.engine_sync.SyncLayout`)."""
+        from weight_sync.p2p import run_plan
+
+        t0 = time.time()
+        self.trainer.onload(self._device())
+        _, src = self.trainer.export_shards()
+        stats = run_plan(sync.plan(), self.rank, src, None, src[next(iter(src))].dtype, group=self.sync_group)
+        return {"bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "start": t0,
+                "seconds": time.time() - t0}
+
+    # --- checkpoints ---
+    def save(self, ckpt_dir: str) -> dict:
+        from rlhf.checkpoint import save_rank
+
+        t0 = time.time()
+        was_offloaded = self.trainer._offloaded is not None
+        self.trainer.onload(self._device())
+        save_rank(Path(ckpt_dir), self.rank, self.trainer)
+        if was_offloaded:  # co-location: leave the device as the schedule had it
+            self.trainer.offload()
+        return {"seconds": time.time() - t0}
+
+    def load(self, ckpt_dir: str) -> dict:
+        from rlhf.checkpoint import load_rank
+
+        t0 = time.time()
+        self.trainer.onload(self._device())
+        load_rank(Path(ckpt_dir), self.rank, self.trainer)
+        return {"seconds": time.time() - t0}

@@ -1,0 +1,95 @@
+"""The RL objective chosen once from `AlgorithmConfig`: how rewards become advantages, and the loss of
+one micro-batch. Pure; the trainer role calls `policy_loss`, the driver calls `advantages`.
+
+  grpo          group-normalised advantages (std optional), PPO clip
+  dapo          group-normalised advantages, clip-higher (clip_eps_high > clip_eps_low), token-mean loss,
+                dynamic sampling and the overlong penalty (the driver applies those two to the batch)
+  gspo          group-normalised advantages, one clipped ratio per sequence
+  reinforce_pp  group-mean baseline, batch-normalised advantages, PPO clip
+
+KL to the reference is a loss term (`kl_coef`, k1 or k3) or, with `kl_in_reward`, a per-sequence
+penalty on the reward. Truncated importance sampling (`tis_cap` > 0) reweights tokens by
+min(pi_old / pi_rollout, cap) for the mismatch between the trainer's and the engine's logprobs.
+
+Legend: P prompts, G samples per prompt, B samples, T tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
+from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, truncated_is_weights
+from rlhf.config.schema import AlgorithmConfig, Estimator, LossAggregation
+
+
+def advantages(cfg: AlgorithmConfig, rewards_PG: torch.Tensor) -> torch.Tensor:
+    """Per-sample advantages [P * G] from rewards grouped by prompt."""
+    if cfg.estimator is Estimator.reinforce_pp:
+        return reinforce_pp_advantages(rewards_PG).reshape(-1)
+    return grpo_advantages(rewards_PG, cfg.normalize_std).reshape(-1)
+
+
+def loss_normaliser(cfg: AlgorithmConfig, mask_BT: torch.Tensor) -> float:
+    """What the summed loss of a mini-batch is divided by: its response tokens for token-mean
+    aggregation, its sequences otherwise (and always for GSPO's sequence-level loss)."""
+    if cfg.estimator is not Estimator.gspo and cfg.loss_aggregation is LossAggregation.token_mean:
+        return float(mask_BT.sum().clamp(min=1))
+    return float(mask_BT.shape[0])
+
+
+@dataclass
+class LossRecord:
+    """Sums over micro-batches, weighted by response tokens, for the step's metrics."""
+
+    tokens: float = 0.0
+    clip_fraction: float = 0.0
+    ratio: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+
+    def add(self, n: float, clip_fraction: float, ratio: float, kl: float, entropy: float) -> None:
+        self.tokens += n
+        self.clip_fraction += n * clip_fraction
+        self.ratio += n * ratio
+        self.kl += n * kl
+        self.entropy += n * entropy
+
+
+def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.Tensor, extras: dict,
+                normaliser: float, record: LossRecord | None = None) -> torch.Tensor:
+    """The loss of one micro-batch, already divided by the mini-batch's global `normaliser`, so that
+    summing gradients over micro-batches and DP ranks gives the mini-batch gradient."""
+    mask, adv, old_logp = extras["mask"], extras["advantages"], extras["old_logp"]
+    if cfg.estimator is Estimator.gspo:
+        stats = gspo_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, normaliser)
+    else:
+        tis = truncated_is_weights(old_logp, extras["rollout_logp"], cfg.tis_cap) if cfg.tis_cap > 0 else None
+        stats = ppo_clip_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high,
+                              cfg.loss_aggregation, normaliser, tis)
+    loss = stats.loss
+    kl = torch.zeros(())
+    if "ref_logp" in extras:
+        kl_BT = kl_penalty(logp_BT, extras["ref_logp"], cfg.kl_estimator)
+        kl = (kl_BT * mask).sum() / mask.sum().clamp(min=1)
+        if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+            loss = loss + cfg.kl_coef * aggregate(kl_BT, mask, _aggregation(cfg), normaliser)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * aggregate(entropy_BT, mask, _aggregation(cfg), normaliser)
+    if record is not None:
+        n = float(mask.sum())
+        ent = float((entropy_BT.detach() * mask).sum() / max(n, 1.0))
+        record.add(n, stats.clip_fraction, stats.ratio_mean, float(kl.detach()), ent)
+    return loss
+
+
+def _aggregation(cfg: AlgorithmConfig) -> LossAggregation:
+    return LossAggregation.seq_mean_token_mean if cfg.estimator is Estimator.gspo else cfg.loss_aggregation
+
+
+def kl_reward_penalty(cfg: AlgorithmConfig, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor,
+                      mask_BT: torch.Tensor) -> torch.Tensor:
+    """`kl_in_reward`: kl_coef times each sequence's summed KL estimate, to subtract from its reward. [B]"""
+    return cfg.kl_coef * (kl_penalty(old_logp_BT, ref_logp_BT, cfg.kl_estimator) * mask_BT).sum(1)

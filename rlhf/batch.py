@@ -1,0 +1,83 @@
+"""The token batch that crosses from the driver to the trainer and reference roles.
+
+Rollouts arrive as (prompt ids, response ids, engine logprobs) per sample; the trainer wants padded
+tensors. Position t of every `[B, T-1]` tensor is the prediction of token t + 1 (the layout of
+`rlhf.parallel.trainer.token_logprobs`), and `mask` marks the positions that predict response tokens.
+
+Legend: B samples, T tokens (prompt + response, right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+
+from rlhf.parallel.balance import balance
+from rlhf.parallel.trainer import MicroBatch
+
+PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    mask_BT: torch.Tensor  # [B, T-1], 1 where the position predicts a response token
+    advantages_B: Optional[torch.Tensor] = None
+    old_logp_BT: Optional[torch.Tensor] = None  # the sampling policy's logprobs, as the trainer computes them
+    ref_logp_BT: Optional[torch.Tensor] = None
+    rollout_logp_BT: Optional[torch.Tensor] = None  # the engine's own logprobs of the sampled tokens
+
+    @staticmethod
+    def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                     rollout_logp: Sequence[Sequence[float]] | None = None, pad_id: int = 0) -> "TokenBatch":
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        B, T = len(seqs), max(map(len, seqs))
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        attn = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T - 1)
+        lp = torch.zeros(B, T - 1) if rollout_logp is not None else None
+        for i, (p, s) in enumerate(zip(prompts, seqs)):
+            ids[i, :len(s)] = torch.tensor(s)
+            attn[i, :len(s)] = 1
+            mask[i, len(p) - 1:len(s) - 1] = 1
+            if lp is not None:
+                lp[i, len(p) - 1:len(s) - 1] = torch.tensor(rollout_logp[i], dtype=torch.float32)
+        return TokenBatch(ids, attn, mask, rollout_logp_BT=lp)
+
+    def __len__(self) -> int:
+        return self.input_ids_BT.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.attention_mask_BT.sum(1).tolist()
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.mask_BT.sum())
+
+    def with_(self, **fields) -> "TokenBatch":
+        return replace(self, **fields)
+
+    def micro_batches(self, rows: Sequence[int], dp: int, dp_index: int, max_tokens: int) -> list[MicroBatch]:
+        """This DP rank's micro-batches of the samples `rows`, balanced by token count across the `dp`
+        ranks (every rank computes the same assignment). Each is trimmed to its longest sample."""
+        lengths = [self.lengths[r] for r in rows]
+        mine = balance(lengths, dp, max_tokens).per_rank[dp_index]
+        out = []
+        for mb in mine:
+            idx = torch.tensor([rows[i] for i in mb])
+            T = max(lengths[i] for i in mb)
+            extras = {"rows": idx, "mask": self.mask_BT[idx, :T - 1]}
+            if self.advantages_B is not None:
+                extras["advantages"] = self.advantages_B[idx]
+            for name in PER_TOKEN:
+                t = getattr(self, f"{name}_BT")
+                if t is not None:
+                    extras[name] = t[idx, :T - 1]
+            out.append(MicroBatch(self.input_ids_BT[idx, :T], self.attention_mask_BT[idx, :T], extras))
+        return out

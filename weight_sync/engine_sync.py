@@ -1,0 +1,51 @@
+"""Weight sync from the trainer group to the rollout engines of a run: who is which transfer rank,
+the two shard specs, and the plan (pure; cached by `plan_reshard` while the layouts do not change).
+
+Transfer ranks: trainer rank r is r; engine k's host process is trainer_world + k. The host receives
+its engine's weights in vLLM's fused buffer layout (qkv, gate_up, stacked experts, padded vocabulary)
+and installs them in every worker of the engine (`actors.vllm_engine.VLLMEngine.receive_weights`);
+vLLM's loader gives each TP / EP worker its own slice. So an engine host receives one full copy of the
+weights whatever the engine's TP: with TP > 1 on one host that is what its workers need in total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.config.schema import ModelConfig
+from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
+from weight_sync.layout import Layout
+from weight_sync.plan import Plan, Topology, plan_reshard
+from weight_sync.spec import ShardSpec
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    model: ModelConfig
+    trainer: Layout
+    engines: int
+    topology: Topology  # nodes of the transfer ranks (trainer ranks, then engine hosts)
+
+    def __post_init__(self):
+        if self.topology.world_size != self.world_size:
+            raise ValueError(f"sync topology {self.topology.name} has {self.topology.world_size} ranks; the trainer "
+                             f"({self.trainer.world_size}) and {self.engines} engine host(s) need {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size + self.engines
+
+    def engine_rank(self, k: int) -> int:
+        return self.trainer.world_size + k
+
+    def src_spec(self) -> ShardSpec:
+        from rlhf.model.sharding import trainer_shard_spec
+
+        return trainer_shard_spec(self.model, self.trainer)
+
+    def dst_spec(self) -> ShardSpec:
+        return engine_shard_spec(self.model, InferenceLayout(tp=1, engines=self.engines),
+                                 rank_offset=self.trainer.world_size)
+
+    def plan(self) -> Plan:
+        return plan_reshard(self.src_spec(), self.dst_spec(), self.topology)

@@ -1,0 +1,56 @@
+"""The weight-sync process group: trainer ranks and rollout-engine hosts in one point-to-point group.
+
+The trainer's ranks already belong to their own default torch.distributed group (the training
+layout); an engine lives in other processes with its own. So the transfer group is a *stateless*
+group: a TCP store on transfer rank 0 and a process group object built over it, used through its own
+`send` / `recv` methods (never `torch.distributed.*(group=...)`, which only knows registered groups).
+Its ranks are the plan's ranks: trainer rank r is r, engine host k is trainer_world + k.
+
+The backend follows the device: gloo on cpu, nccl on cuda, hccl on npu (torch_npu imported only then).
+Every operation carries the group timeout, so a peer that died makes the sync raise, not stall.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+_PREFIX = "rlhf-weight-sync/"
+
+
+def transfer_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0):
+    """Join (or, on rank 0, host) the transfer group; every member must call this concurrently."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(_PREFIX, store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    elif backend == "hccl":
+        import torch_npu  # noqa: F401
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        group = ProcessGroupHCCL(prefixed, rank, world_size, opts)
+    else:
+        raise ValueError(f"weight-sync backend {backend!r}: use gloo (cpu), nccl (cuda) or hccl (npu)")
+    return TransferGroup(group, store, rank, world_size)
+
+
+class TransferGroup:
+    """A stateless process group and the store it was built on (rank 0's store hosts the server, so
+    it lives as long as the group). `send` / `recv` take the group's own ranks."""
+
+    def __init__(self, group, store, rank: int, world_size: int):
+        self.group, self.store, self.rank, self.world_size = group, store, rank, world_size
+
+    def send(self, tensors, peer: int, tag: int = 0):
+        return self.group.send(tensors, peer, tag)
+
+    def recv(self, tensors, peer: int, tag: int = 0):
+        return self.group.recv(tensors, peer, tag)
