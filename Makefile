@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	@bash scripts/run_main.sh
+	@bash scripts/run_main.sh $(ARGS)
 
 test: setup
 	@.venv/bin/python -m pytest -q tests

@@ -57,12 +57,30 @@ class RoleHandle:
 def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0) -> list[Any]:
     """Start every (handle, method, args, kwargs) call at once, then wait for all under one deadline:
     collective methods (every rank of a group must enter them) never wait on a rank not yet called.
-    The first failure or timeout raises RoleError naming its role and rank."""
+    Results are read as they complete, so the first rank that fails raises RoleError (naming its role
+    and rank) at once, not after its peers, stuck in a collective with it, time out."""
     import time
 
-    refs = [(h, m, h.submit(m, *a, **kw)) for h, m, a, kw in calls]
+    import ray
+
+    refs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
     deadline = time.monotonic() + timeout_s
-    return [h.wait(m, ref, max(deadline - time.monotonic(), 0.01)) for h, m, ref in refs]
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:  # the deadline passed: report the first call still running
+            h, m = calls[index[pending[0]]][:2]
+            for ref in pending:
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+            raise RoleError(h.role, h.rank, m, f"did not answer within {timeout_s:.0f} s")
+        i = index[ready[0]]
+        results[i] = calls[i][0].wait(calls[i][1], ready[0], 0.01)
+    return results
 
 
 def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,

@@ -122,6 +122,7 @@ class TrainerWorker(PolicyWorker):
                 norms.append(out["grad_norm"])
         n = max(record.tokens, 1.0)
         stats = {"loss": sum(losses) / len(losses), "grad_norm": max(norms), "optimizer_steps": len(losses),
+                 "lr": out["lr"],
                  "clip_fraction": record.clip_fraction / n, "ratio_mean": record.ratio / n,
                  "kl": record.kl / n, "entropy": record.entropy / n, "tokens": record.tokens}
         router = self.trainer.router_stats()  # a collective over the stage: every rank calls it

@@ -51,8 +51,10 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
                                 ref_logp_BT=ref_logp)
             with run.phase("update", step):
                 updates = roles.all(roles.trainer, "update", run.put(batch), run.mini_batches(len(batch), step))
+            run.trace_ranks("update", roles.trainer, updates, step)
             with run.phase("weight sync", step):
                 sync = roles.sync_weights(run.sync_layout, version=step)
+            run.trace_ranks("weight sync", roles.trainer + roles.engines, sync, step)
             with run.phase("switch to rollout", step):
                 run.switch("wake_up", "offload", step)
             acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
@@ -183,7 +185,7 @@ class RunState:
     def trace_ranks(self, name: str, group, replies, step: int) -> None:
         for h, rep in zip(group, replies):
             if rep is not None:
-                dev = self.dm.devices_of(h.role)[h.rank]
+                dev = self.dm.devices_of(h.role)[h.rank * (self.dm.ranks_per_engine if h.role == "rollout" else 1)]
                 self.tracker.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep["start"], rep["seconds"], step)
 
     def evaluate(self, step: int) -> float:
@@ -321,6 +323,7 @@ def _update_stats(updates: list[dict], tcfg) -> dict:
     out["actor/loss"] = per_rank[0]["loss"]
     out["actor/grad_norm"] = per_rank[0]["grad_norm"]
     out["actor/optimizer_steps"] = per_rank[0]["optimizer_steps"]
+    out["actor/lr"] = per_rank[0]["lr"]
     return out
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job (README: `make run`). Builds the tiny policy once, then runs on configs/tiny_cpu.yaml.
-# Until the RL loop lands (`rlhf train`), the largest real part is the policy's evaluation with our torch
-# model and a vLLM engine: held-out accuracy, greedy agreement, one rollout batch with rewards.
+# The main job (README: `make run`): GRPO on the tiny addition task from the `rlhf make-tiny` policy,
+# co-located on an embedded local Ray (configs/tiny_cpu.yaml). Builds the tiny policy once. Extra
+# arguments are key=value overrides, e.g. `make run ARGS="steps=5"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RLHF=.venv/bin/rlhf
 [ -f out/tiny/tiny.json ] || "$RLHF" make-tiny out/tiny
-exec "$RLHF" eval configs/tiny_cpu.yaml "$@"
+exec "$RLHF" train configs/tiny_cpu.yaml "$@"

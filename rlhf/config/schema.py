@@ -180,6 +180,7 @@ class TrainerConfig:
     backend: DistBackend = DistBackend.auto
     collective_timeout_s: float = 120.0
     lr: float = 1e-3
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr / warmup to lr
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0

@@ -7,8 +7,9 @@ reported together in one `ConfigError`, before any process or actor starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from rlhf.config.schema import Attention, ModelConfig, RunConfig
+from rlhf.config.schema import Attention, ModelConfig, RewardConfig, RewardKind, RunConfig
 from weight_sync.layout import Layout
 
 
@@ -148,13 +149,39 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("algorithm.kl_coef", a.kl_coef, "must be >= 0"))
     if t.lr <= 0:
         p.append(Problem("trainer.lr", t.lr, "must be > 0"))
+    if t.lr_warmup_steps < 0:
+        p.append(Problem("trainer.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0 (0: no warmup)"))
+    if t.epochs < 1:
+        p.append(Problem("trainer.epochs", t.epochs, "must be >= 1"))
+    if cfg.steps < 1 or cfg.eval_every < 1:
+        p.append(Problem("steps" if cfg.steps < 1 else "eval_every", cfg.steps if cfg.steps < 1 else cfg.eval_every,
+                         "must be >= 1"))
     if t.collective_timeout_s <= 0:
         p.append(Problem("trainer.collective_timeout_s", t.collective_timeout_s, "must be > 0 so a hung collective times out"))
     if cfg.checkpoint.resume not in ("never", "auto") and not cfg.checkpoint.resume:
         p.append(Problem("checkpoint.resume", cfg.checkpoint.resume, "use never, auto or a checkpoint directory"))
     if cfg.placement.nodes <= 0 or cfg.placement.devices_per_node <= 0:
         p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
+    p += reward_problems(cfg.reward)
     return p
+
+
+def reward_problems(w: RewardConfig) -> list[Problem]:
+    """A reward model needs its directory (read by the reward workers); a rule verifier reads none."""
+    if w.kind is not RewardKind.model:
+        if w.model_path:
+            return [Problem("reward.model_path", w.model_path, f"is only read with reward.kind = model (kind is "
+                            f"{w.kind.value}); set reward.kind=model to score with it, or drop reward.model_path")]
+        return []
+    if not w.model_path:
+        return [Problem("reward.model_path", w.model_path, "reward.kind = model needs a reward model; set "
+                        "reward.model_path to its HF directory (config.json, safetensors, tokenizer.json)")]
+    missing = [f for f in ("config.json", "tokenizer.json") if not (Path(w.model_path) / f).is_file()]
+    if missing:
+        return [Problem("reward.model_path", w.model_path, f"has no {' or '.join(missing)}; point it at a reward "
+                        "model's HF directory (rlhf.model.reward_model.save_reward_model writes one, tokenizer "
+                        "files from its tokenizer_dir)")]
+    return []
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -175,28 +175,27 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeDecoder(nn.Module):
+    """The decoder (`model.*`) without a head: the LM head and the reward model's score head subclass it."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         check_supported(cfg)
         self.config = cfg
         self.model = Qwen3MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
+    def hidden_states(
         self,
         input_ids_BT: torch.Tensor,
         attention_mask_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, V]. `attention_mask_BT` (1 = real token) allows left or right padding."""
+        """Final-norm hidden states [B, T, H]. `attention_mask_BT` (1 = real token) allows left or right padding."""
         ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT)
         x = self.model.embed_tokens(input_ids_BT)
         for layer in self.model.layers:
             x = layer(x, *ctx)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
     def prepare(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None):
         """What every layer needs besides the hidden states: (cos, sin, attention mask, valid tokens)."""
@@ -236,6 +235,23 @@ class Qwen3MoeForCausalLM(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+class Qwen3MoeForCausalLM(Qwen3MoeDecoder):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None = None,
+        position_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V]. `attention_mask_BT` (1 = real token) allows left or right padding."""
+        return self.lm_head(self.hidden_states(input_ids_BT, attention_mask_BT, position_ids_BT))
 
 
 def check_supported(cfg: ModelConfig) -> None:

@@ -46,6 +46,16 @@ class ShardedAdamW:
         self.opt = torch.optim.AdamW([b.master for b in self.buckets], lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay)
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps so far (torch's AdamW step count, which checkpoints carry)."""
+        state = self.opt.state.get(self.buckets[0].master, {}) if self.buckets else {}
+        return int(state["step"]) if "step" in state else 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def step(self) -> None:
         for b in self.buckets:
             flat_grad = torch.cat([p.grad.reshape(-1) for p in b.params])

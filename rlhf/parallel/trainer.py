@@ -119,11 +119,17 @@ class ParallelTrainer:
                 losses.append(loss.detach())
         self.sync_grads()
         grad_norm = self.clip_grads(self.tcfg.grad_clip)
+        self.optimizer.set_lr(self.current_lr())
         self.optimizer.step()
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
         # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
         loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
-        return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
+        return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": self.optimizer.opt.param_groups[0]["lr"]}
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step: linear warmup over `lr_warmup_steps`, then flat."""
+        warmup = self.tcfg.lr_warmup_steps
+        return self.tcfg.lr * min(1.0, (self.optimizer.steps_taken + 1) / warmup) if warmup > 0 else self.tcfg.lr
 
     def _optimizer_buckets(self) -> dict:
         """Parameters grouped by the ranks holding identical copies of them (their gradient group):

@@ -54,3 +54,30 @@ def test_failures_and_timeouts_name_role_and_rank(ray_session):
         slow.call("fail")
     with pytest.raises(RoleError, match="reward rank 3: wait did not answer within 1 s"):
         slow.call("wait", 30, timeout_s=1)
+
+
+def test_a_failing_rank_is_reported_at_once_while_its_peer_waits(ray_session):
+    import time
+
+    from actors.remote import call_all
+
+    class Rank:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def step(self):
+            import time
+
+            if self.fail:
+                raise RuntimeError("shard missing")
+            time.sleep(60)  # stands in for a peer blocked in a collective with the failed rank
+
+    peers = [spawn(Rank, "trainer", r, r == 1, num_cpus=0) for r in range(2)]
+    t0 = time.monotonic()
+    with pytest.raises(RoleError, match="trainer rank 1: step raised RuntimeError: shard missing"):
+        call_all([(h, "step", (), {}) for h in peers], timeout_s=120)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(RoleError, match="trainer rank 0: step did not answer within 2 s"):
+        call_all([(peers[0], "step", (), {})], timeout_s=2)
+    for h in peers:
+        h.kill()

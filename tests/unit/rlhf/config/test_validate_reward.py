@@ -1,0 +1,31 @@
+"""reward.kind and reward.model_path are checked together when a run config loads."""
+
+import pytest
+
+from rlhf.config import ConfigError, load_run_config
+
+
+def _load(tmp_path, *overrides):
+    (tmp_path / "run.yaml").write_text("{}")
+    return load_run_config(tmp_path / "run.yaml", list(overrides))
+
+
+def test_model_kind_needs_a_model_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"reward.model_path = None: reward.kind = model needs a reward model; set "
+                                          r"reward.model_path"):
+        _load(tmp_path, "reward.kind=model")
+
+
+def test_model_path_must_hold_config_and_tokenizer(tmp_path):
+    (tmp_path / "rm").mkdir()
+    with pytest.raises(ConfigError, match=r"reward.model_path = '.*rm': has no config.json or tokenizer.json"):
+        _load(tmp_path, "reward.kind=model", f"reward.model_path={tmp_path / 'rm'}")
+    (tmp_path / "rm" / "config.json").write_text("{}")
+    (tmp_path / "rm" / "tokenizer.json").write_text("{}")
+    assert _load(tmp_path, "reward.kind=model", f"reward.model_path={tmp_path / 'rm'}").reward.model_path
+
+
+def test_model_path_without_model_kind_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"reward.model_path = '/x': is only read with reward.kind = model "
+                                          r"\(kind is math_verify\)"):
+        _load(tmp_path, "reward.kind=math_verify", "reward.model_path=/x")

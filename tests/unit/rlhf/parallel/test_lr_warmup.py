@@ -1,0 +1,26 @@
+"""Learning-rate warmup: linear over `trainer.lr_warmup_steps` optimizer steps, counted by the
+optimizer's own step count (which checkpoints carry, so a resumed run continues the schedule)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from rlhf.config.schema import TrainerConfig
+from rlhf.parallel.optim import ShardedAdamW
+from rlhf.parallel.trainer import ParallelTrainer
+
+
+def test_warmup_is_linear_then_flat_and_follows_the_optimizer_step_count():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = ShardedAdamW({"dp": (None, 1, 0, [p])}, lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    trainer = SimpleNamespace(tcfg=TrainerConfig(lr=1e-3, lr_warmup_steps=4), optimizer=opt)
+    seen = []
+    for _ in range(6):
+        lr = ParallelTrainer.current_lr(trainer)
+        seen.append(lr)
+        opt.set_lr(lr)
+        p.grad = torch.ones(3)
+        opt.step()
+    assert seen == [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    assert opt.steps_taken == 6
+    assert ParallelTrainer.current_lr(SimpleNamespace(tcfg=TrainerConfig(lr=1e-3), optimizer=opt)) == 1e-3
