@@ -4,7 +4,7 @@ calls the driver makes on each (every call deadline-bound; a failure names role 
   trainer     `TrainerWorker` x (pp * dp * tp), one torch.distributed group
   reference   `PolicyWorker` x the same layout, its own group (only when the KL term needs it)
   rollout     `VLLMEngine` x num_engines
-  reward      `RuleRewardWorker` x reward.workers
+  reward      `RuleRewardWorker` (rule verifiers) or `RewardModelWorker` (kind: model) x reward.workers
   weight sync trainer ranks + engine hosts in one point-to-point group (`weight_sync.group`)
 
 Each device is a bundle of a per-node STRICT_PACK placement group; a role rank asks for its device's
@@ -14,10 +14,11 @@ bundle and a share of it (`rlhf.placement.actor_options`), so co-located roles f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from actors.remote import RoleHandle, call_all, spawn
-from rlhf.config.schema import RunConfig
+from rlhf.config.schema import RewardKind, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
 
@@ -36,7 +37,7 @@ class Roles:
         import ray
         from ray.util.placement_group import placement_group
 
-        from actors.reward import RuleRewardWorker
+        from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm_engine import VLLMEngine
         from rlhf.parallel.comm import backend_for
@@ -63,8 +64,13 @@ class Roles:
         engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings, **slot("rollout", k * rpe))
                    for k in range(cfg.rollout.num_engines)]
-        rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, **slot("reward", i))
-                   for i in range(cfg.reward.workers)]
+        if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
+            rm_dir = str(Path(cfg.reward.model_path).resolve())
+            rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
+                       for i in range(cfg.reward.workers)]
+        else:
+            rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, **slot("reward", i))
+                       for i in range(cfg.reward.workers)]
         roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60)
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
             f"{len(rewards)} reward worker(s) starting")
@@ -98,10 +104,12 @@ class Roles:
         merged = [replace(c, prompt_index=idx[c.prompt_index]) for idx, out in zip(chunks, outs) for c in out]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> tuple[list[float], list[dict]]:
+    def score(self, responses: Sequence[str], answers: Sequence[str],
+              prompts: Sequence[str] | None = None) -> tuple[list[float], list[dict]]:
+        """Scores split evenly over the reward workers (a reward model reads prompt + response)."""
         k = len(self.rewards)
         bounds = [len(responses) * i // k for i in range(k + 1)]
-        outs = call_all([(w, "score", (responses[a:b], answers[a:b]), {})
+        outs = call_all([(w, "score", (responses[a:b], answers[a:b]), {"prompts": None if prompts is None else prompts[a:b]})
                          for w, a, b in zip(self.rewards, bounds, bounds[1:])], self.timeout_s)
         return [s for o in outs for s in o["scores"]], outs
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
-from rlhf.config.schema import RunConfig
+from rlhf.config.schema import RewardKind, RunConfig
 
 MAX_DRAWS = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
 
@@ -43,7 +43,8 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
         tokens += sum(len(c.token_ids) for c in comps)
         texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
         t0 = time.time()
-        scores, _ = roles.score(texts, [rows[c.prompt_index].answer for c in comps])
+        scores, _ = roles.score(texts, [rows[c.prompt_index].answer for c in comps],
+                                [rows[c.prompt_index].prompt for c in comps])
         rew_s += time.time() - t0
         scores_PG = torch.tensor(scores).view(len(rows), G)
         lengths = torch.tensor([len(c.token_ids) for c in comps])
@@ -67,9 +68,12 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
 
 
 def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
-    """Greedy accuracy of the engines' current weights on the held-out prompts."""
+    """Greedy accuracy of the engines' current weights on the held-out prompts, by the run's rule
+    verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
+    from actors.reward import RULES
+
+    rule = RULES.get(cfg.reward.kind, RULES[RewardKind.exact_match])
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0)
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
-    scores, _ = roles.score(texts, [rows[c.prompt_index].answer for c in comps])
-    return sum(scores) / len(scores)
+    return sum(rule(t, rows[c.prompt_index].answer) for t, c in zip(texts, comps)) / len(comps)

@@ -130,7 +130,7 @@ def ray_cluster():
 
 
 @pytest.mark.timeout(900)  # the fixtures included: make-tiny about 70 s, ray start, the job, the stop
-def test_ray_job_submit_runs_a_tiny_run(ray_cluster, tiny, tmp_path):
+def test_ray_job_submit_runs_a_tiny_run(tiny, ray_cluster, tmp_path):
     d, _ = tiny
     out = tmp_path / "run"
     job_id = f"rlhf-test-{uuid.uuid4().hex[:8]}"
@@ -150,13 +150,15 @@ def test_ray_job_submit_runs_a_tiny_run(ray_cluster, tiny, tmp_path):
         pytest.fail(f"the job did not end within {JOB_TIMEOUT_S} s; its log:\n{logs[-4000:]}")
     print(f"ray job submit (blocking): {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
-    status = ray_cluster.job("status", job_id).stdout
+    st = ray_cluster.job("status", job_id)
+    status = st.stdout + st.stderr  # "Job '<id>' succeeded" for SUCCEEDED
     logs = ray_cluster.job("logs", job_id).stdout
-    assert "SUCCEEDED" in status and submit.returncode == 0, \
+    assert f"Job '{job_id}' succeeded" in status and submit.returncode == 0, \
         f"job status: {status}\nsubmit stderr:\n{submit.stderr[-2000:]}\njob log:\n{logs[-4000:]}"
 
     # the job ran from the uploaded copy, which left out everything big
     pkgs = list((ray_cluster.temp_dir / "session_latest" / "runtime_resources" / "working_dir_files").glob("_ray_pkg_*"))
+    assert [p for p in pkgs if p.is_dir()], "no unpacked working dir on the cluster"
     pkg = next(p for p in pkgs if p.is_dir())
     assert (pkg / "rlhf" / "driver.py").is_file() and (pkg / "configs" / "tiny_cpu.yaml").is_file()
     assert not any((pkg / name).exists() for name in (".git", ".venv", "out", "wandb"))
