@@ -123,10 +123,11 @@ class Roles:
         order = torch.argsort(rows)
         return torch.cat([o["logp"] for o in parts])[order], torch.cat([o["entropy"] for o in parts])[order], outs
 
-    def sync_weights(self, sync_layout, version: int) -> list:
-        """Trainer ranks send, engine hosts receive and install; returns the engines' replies."""
-        calls = [(h, "send_weights", (sync_layout,), {}) for h in self.trainer]
-        calls += [(e, "receive_weights", (sync_layout, version), {}) for e in self.engines]
+    def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> list:
+        """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
+        memory); returns the trainer ranks' replies, then the engines'."""
+        calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
+        calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
         return call_all(calls, self.timeout_s)
 
     def shutdown(self) -> None:

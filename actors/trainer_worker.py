@@ -138,15 +138,18 @@ class TrainerWorker(PolicyWorker):
         self.sync_group = transfer_group(backend, host, port, self.rank, world_size, self.tcfg.collective_timeout_s)
         return True
 
-    def send_weights(self, sync) -> dict:
-        """Send this rank's part of the sync plan (`weight_sync.engine_sync.SyncLayout`)."""
+    def send_weights(self, sync, same_device=frozenset()) -> dict:
+        """Send this rank's part of the sync plan (`weight_sync.engine_sync.SyncLayout`); pairs in
+        `same_device` go through shared memory."""
         from weight_sync.p2p import run_plan
 
         t0 = time.time()
         self.trainer.onload(self._device())
         _, src = self.trainer.export_shards()
-        stats = run_plan(sync.plan(), self.rank, src, None, src[next(iter(src))].dtype, group=self.sync_group)
-        return {"bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "start": t0,
+        stats = run_plan(sync.plan(), self.rank, src, None, src[next(iter(src))].dtype, group=self.sync_group,
+                         same_device=same_device)
+        return {"bytes_sent": stats.bytes_sent, "bytes_shm_sent": stats.bytes_shm_sent, "bytes_local": stats.bytes_local,
+                "start": t0,
                 "seconds": time.time() - t0}
 
     # --- checkpoints ---

@@ -127,7 +127,7 @@ class VLLMEngine:
         self.sync_group, self.sync_rank = transfer_group(backend, host, port, rank, world_size, timeout_s), rank
         return True
 
-    def receive_weights(self, sync, version: int) -> dict:
+    def receive_weights(self, sync, version: int, same_device=frozenset()) -> dict:
         """Receive this engine's part of the sync plan (`weight_sync.engine_sync.SyncLayout`) into its
         fused buffers, verify every region's checksum against what the trainer ranks sent, then install
         the weights exactly in every worker. Raises (naming tensor and ranks) on a checksum mismatch,
@@ -145,10 +145,11 @@ class VLLMEngine:
             dtype = getattr(torch, spec.dtype)
             self._sync_buffers = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
         stats = run_plan(sync.plan(), self.sync_rank, None, self._sync_buffers, next(iter(self._sync_buffers.values())).dtype,
-                         group=self.sync_group)
+                         group=self.sync_group, same_device=same_device)
         t1 = time.time()
         info = self.update_from_pieces(self._sync_buffers, mine.pieces, spec.shapes(), version)
-        return {"bytes_received": stats.bytes_received, "checked_transfers": stats.checked_transfers,
+        return {"bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
+                "checked_transfers": stats.checked_transfers,
                 "transfer_seconds": t1 - t0, "install_seconds": time.time() - t1, "start": t0,
                 "seconds": time.time() - t0, "version": info["version"]}
 

@@ -53,7 +53,7 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
                 updates = roles.all(roles.trainer, "update", run.put(batch), run.mini_batches(len(batch), step))
             run.trace_ranks("update", roles.trainer, updates, step)
             with run.phase("weight sync", step):
-                sync = roles.sync_weights(run.sync_layout, version=step)
+                sync = roles.sync_weights(run.sync_layout, step, run.same_device)
             run.trace_ranks("weight sync", roles.trainer + roles.engines, sync, step)
             with run.phase("switch to rollout", step):
                 run.switch("wake_up", "offload", step)
@@ -102,6 +102,10 @@ class RunState:
         layout = Layout(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep)
         self.sync_layout = SyncLayout(cfg.model, layout, cfg.rollout.num_engines, self._sync_topology(layout))
         self.plan = self.sync_layout.plan()  # validated before any actor starts
+        # Co-located trainer ranks and engine hosts exchange through shared memory (cpu; the CUDA / NPU IPC
+        # path of weight_sync.shm is not yet tested on devices, so there the group carries everything).
+        self.same_device = (self.sync_layout.same_device_pairs(self.transfer_devices)
+                            if cfg.placement.device_type.value == "cpu" else frozenset())
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         random.seed(cfg.seed)
@@ -132,6 +136,7 @@ class RunState:
         devices = list(self.dm.devices_of("trainer"))
         rpe = self.dm.ranks_per_engine
         devices += [self.dm.devices_of("rollout")[k * rpe] for k in range(self.cfg.rollout.num_engines)]
+        self.transfer_devices = tuple(devices)
         return Topology(f"{p.nodes}x{p.devices_per_node} {p.device_type.value}",
                         tuple(self.dm.node_of(d) for d in devices), p.fabric_gbytes_per_s * 1e9)
 
@@ -218,7 +223,7 @@ class RunState:
         self.sampler.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = self.version = state["step"]
-        self.roles.sync_weights(self.sync_layout, version=self.version)  # the engines serve the resumed weights
+        self.roles.sync_weights(self.sync_layout, self.version, self.same_device)  # the engines serve the resumed weights
         self.roles.all(self.roles.trainer, "offload")
         self.log(f"resumed from {d} at step {self.step}")
 
@@ -248,6 +253,7 @@ class RunState:
             "sync/bytes_minimal": self.plan.bytes_minimal, "sync/bytes_network": self.plan.bytes_network,
             "sync/bytes_local": self.plan.bytes_local,
             "sync/bytes_received": sum(r["bytes_received"] for r in engine_sync),
+            "sync/bytes_shm": sum(r["bytes_shm"] for r in engine_sync),
             "sync/bytes_sent": sum(r["bytes_sent"] for r in trainer_sync),
             "sync/gb_per_s": self.plan.bytes_network / max(sync_s, 1e-9) / 1e9,
             "sync/floor_seconds": self.plan.floor_seconds(self.sync_layout.topology),
@@ -265,9 +271,9 @@ class RunState:
             m["accuracy/heldout"] = acc
         self.tracker.log(m, step)
         self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff", "time/step",
-                                               "time/sync", "sync/bytes_received")} | {"step": step})
+                                               "time/sync", "sync/bytes_received", "sync/bytes_shm")} | {"step": step})
         self.progress.update(step, {"reward": m["reward/mean"], "acc": acc if acc is not None else float("nan"),
-                                    "sync_MB": m["sync/bytes_received"] / 1e6})
+                                    "sync_MB": (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6})
 
     def finish(self, acc_start: float) -> dict:
         from rlhf.checkpoint import export_hf

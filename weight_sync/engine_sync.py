@@ -11,6 +11,7 @@ weights whatever the engine's TP: with TP > 1 on one host that is what its worke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from rlhf.config.schema import ModelConfig
 from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
@@ -49,3 +50,14 @@ class SyncLayout:
 
     def plan(self) -> Plan:
         return plan_reshard(self.src_spec(), self.dst_spec(), self.topology)
+
+    def same_device_pairs(self, devices: Sequence[int]) -> frozenset[tuple[int, int]]:
+        """(trainer rank, engine host rank) pairs on one device, for `run_plan(..., same_device=...)`.
+        `devices[r]` is transfer rank r's device: the trainer ranks' devices, then each engine host's
+        (its engine's first device), as the driver lists them for the sync topology."""
+        if len(devices) != self.world_size:
+            raise ValueError(f"same_device_pairs: {len(devices)} devices given for {self.world_size} transfer ranks "
+                             f"(the trainer's {self.trainer.world_size}, then {self.engines} engine host(s))")
+        w = self.trainer.world_size
+        return frozenset((r, self.engine_rank(k)) for k in range(self.engines) for r in range(w)
+                         if devices[r] == devices[w + k])
