@@ -75,7 +75,7 @@ class PolicyWorker:
         self.trainer.onload(self._device())
         c = self.layout.coords(self.rank)
         mbs = batch.micro_batches(range(len(batch)), self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
-        out = self.trainer.logprobs(mbs)
+        out = self.trainer.logprobs(mbs, batch.temperature)
         if not self._returns_rows:
             return None
         T = batch.mask_BT.shape[1]
@@ -117,7 +117,8 @@ class TrainerWorker(PolicyWorker):
                 normaliser = loss_normaliser(self.algo, batch.mask_BT[rows])
                 mbs = batch.micro_batches(rows, self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
                 out = self.trainer.train_step(
-                    mbs, lambda logp, ent, mb: policy_loss(self.algo, logp, ent, mb.extras, normaliser, record))
+                    mbs, lambda logp, ent, mb: policy_loss(self.algo, logp, ent, mb.extras, normaliser, record),
+                    batch.temperature)
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
         n = max(record.tokens, 1.0)

@@ -63,6 +63,9 @@ class VLLMEngine:
             enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len,
             worker_extension_cls="actors.vllm_worker_ext.WeightUpdateExtension",
+            # Sampled-token logprobs of the distribution actually sampled (logits / temperature), which is
+            # what the trainer scores; at temperature 1 raw and processed agree.
+            logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
         )
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization

@@ -29,10 +29,12 @@ class TokenBatch:
     old_logp_BT: Optional[torch.Tensor] = None  # the sampling policy's logprobs, as the trainer computes them
     ref_logp_BT: Optional[torch.Tensor] = None
     rollout_logp_BT: Optional[torch.Tensor] = None  # the engine's own logprobs of the sampled tokens
+    temperature: float = 1.0  # the rollout sampled from softmax(logits / temperature); logprobs score that
 
     @staticmethod
     def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                     rollout_logp: Sequence[Sequence[float]] | None = None, pad_id: int = 0) -> "TokenBatch":
+                     rollout_logp: Sequence[Sequence[float]] | None = None, pad_id: int = 0,
+                     temperature: float = 1.0) -> "TokenBatch":
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -47,7 +49,7 @@ class TokenBatch:
             mask[i, len(p) - 1:len(s) - 1] = 1
             if lp is not None:
                 lp[i, len(p) - 1:len(s) - 1] = torch.tensor(rollout_logp[i], dtype=torch.float32)
-        return TokenBatch(ids, attn, mask, rollout_logp_BT=lp)
+        return TokenBatch(ids, attn, mask, rollout_logp_BT=lp, temperature=temperature)
 
     def __len__(self) -> int:
         return self.input_ids_BT.shape[0]

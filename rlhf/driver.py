@@ -158,7 +158,8 @@ class RunState:
         G = self.cfg.algorithm.group_size
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
-                                       [c.logp for c in ro.completions], self.cfg.model.pad_token_id)
+                                       [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
+                                       self.cfg.rollout.temperature)
 
     def mini_batches(self, n: int, step: int) -> list[list[int]]:
         """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""

@@ -11,6 +11,7 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -41,9 +42,12 @@ class MicroBatch:
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], torch.Tensor]
 
 
-def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp[:, t] = log p(input_ids[:, t+1] | prefix) and the entropy of that distribution: [B, T-1] each."""
-    logp_all = F.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp[:, t] = log p(input_ids[:, t+1] | prefix) and the entropy of that distribution: [B, T-1] each.
+    `temperature`: the distribution the rollout sampled from, softmax(logits / temperature)."""
+    logits = logits_BTV[:, :-1].float()
+    logp_all = F.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     logp = logp_all.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
@@ -91,29 +95,33 @@ class ParallelTrainer:
         return self.model(mb.input_ids_BT, mb.attention_mask_BT)
 
     @torch.no_grad()
-    def logprobs(self, micro_batches: Sequence[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(logp_BT, entropy_BT) per micro-batch on the last pipeline stage; None on other stages."""
         self.model.eval()
+        score = partial(token_logprobs, temperature=temperature)
         if self.pipeline is not None:
-            return self.pipeline.forward_only(micro_batches, token_logprobs)
-        return [token_logprobs(self._logits(mb), mb.input_ids_BT) for mb in micro_batches]
+            return self.pipeline.forward_only(micro_batches, score)
+        return [score(self._logits(mb), mb.input_ids_BT) for mb in micro_batches]
 
     # --- training ---
-    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict:
-        """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step."""
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict:
+        """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step. Logprobs are
+        those of softmax(logits / temperature), the distribution the rollout sampled from."""
         self._check_onloaded()
         self.model.train()
+        score = partial(token_logprobs, temperature=temperature)
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
         if self.pipeline is not None:
-            losses = self.pipeline.train(micro_batches, loss_fn, token_logprobs)
+            losses = self.pipeline.train(micro_batches, loss_fn, score)
         else:
             losses = []
             for mb in micro_batches:
-                logp, ent = token_logprobs(self._logits(mb), mb.input_ids_BT)
+                logp, ent = score(self._logits(mb), mb.input_ids_BT)
                 loss = loss_fn(logp, ent, mb)
                 loss.backward()
                 losses.append(loss.detach())

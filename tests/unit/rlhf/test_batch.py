@@ -30,3 +30,15 @@ def test_micro_batches_cover_every_sample_once_across_dp_ranks():
             assert mb.extras["mask"].shape == (len(rows), T - 1)
             assert mb.extras["advantages"].tolist() == [float(r) for r in rows]
     assert sorted(seen) == list(range(10))
+
+
+def test_logprobs_score_the_tempered_distribution_the_rollout_sampled_from():
+    from rlhf.parallel.trainer import token_logprobs
+
+    logits = torch.randn(2, 4, 7)
+    ids = torch.randint(0, 7, (2, 4))
+    logp, ent = token_logprobs(logits, ids, temperature=0.7)
+    ref = torch.log_softmax(logits[:, :-1] / 0.7, -1)
+    assert torch.allclose(logp, ref.gather(-1, ids[:, 1:, None]).squeeze(-1))
+    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1))
+    assert torch.equal(token_logprobs(logits, ids)[0], token_logprobs(logits, ids, 1.0)[0])
