@@ -271,7 +271,8 @@ class RunState:
         if acc is not None:
             m["accuracy/heldout"] = acc
         self.tracker.log(m, step)
-        self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff", "time/step",
+        self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
+                                               "parity/mean_abs_diff", "time/step",
                                                "time/sync", "sync/bytes_received", "sync/bytes_shm")} | {"step": step})
         self.progress.update(step, {"reward": m["reward/mean"], "acc": acc if acc is not None else float("nan"),
                                     "sync_MB": (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6})
@@ -300,6 +301,7 @@ class RunState:
             "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
             "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
             "parity_max_abs_diff": max((h["parity/max_abs_diff"] for h in self.history), default=None),
+            "parity_mean_abs_diff_max": max((h["parity/mean_abs_diff"] for h in self.history), default=None),
             "parity_violations": self.parity_violations,
             "syncs": len(self.history), "sync_bytes_per_step": self.plan.bytes_minimal,
             "seconds": round(time.time() - self.t0, 1),
