@@ -259,6 +259,6 @@ def test_cli_plan_starts_nothing():
 def test_cli_plan_cm384_is_condensed(capsys):
     assert main(["plan", str(ROOT / "configs/cm384_pangu718b.yaml")]) == 0
     out, err = capsys.readouterr()
-    assert len(err.splitlines()) < 60 and "trainer + rollout: 96 devices 0-95" in err
+    assert len(err.splitlines()) < 60 and "trainer + rollout: 384 devices 0-383" in err
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["devices"] == 384 and result["roles"]["trainer"] == 384 and result["roles"]["rollout"] == 96
+    assert result["devices"] == 384 and result["roles"]["trainer"] == 384 and result["roles"]["rollout"] == 384
