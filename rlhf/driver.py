@@ -108,6 +108,12 @@ class RunState:
                             if cfg.placement.device_type.value == "cpu" else frozenset())
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # set by `ray job submit` for the job's driver
+            rel = [k for k, v in (("output_dir", cfg.output_dir), ("tracking.dir", cfg.tracking.dir),
+                                  ("checkpoint.dir", cfg.checkpoint.dir)) if not Path(v).is_absolute()]
+            if rel:
+                log(f"warning: {', '.join(rel)} relative in a Ray job: written into the job's temporary copy of "
+                    "the working dir and lost when it ends; pass absolute paths")
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
 
