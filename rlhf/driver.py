@@ -63,7 +63,7 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
             run.record(step, ro, batch, entropy, parity, updates, sync, acc, time.time() - t_step)
         return run.finish(acc_start)
     except BaseException:
-        run.close()
+        run.close(failed=True)
         raise
 
 
@@ -74,7 +74,13 @@ class RunState:
     def start(cfg: RunConfig, log) -> "RunState":
         self = RunState()
         self.cfg, self.log, self.t0 = cfg, log, time.time()
-        self._setup(cfg, log)
+        self.roles, self.ray_owned, self.last_checkpoint, self.tracker = None, False, None, None
+        self.switch_bytes: dict[str, int] = {}
+        try:
+            self._setup(cfg, log)
+        except BaseException:  # an actor that failed to start: stop what did start, and Ray if we started it
+            self.close(failed=True)
+            raise
         return self
 
     def _setup(self, cfg: RunConfig, log) -> None:
@@ -177,13 +183,11 @@ class RunState:
     def switch(self, engine_method: str, trainer_method: str, step: int) -> None:
         """Co-location: engines sleep / wake, trainer and reference onload / offload."""
         roles = self.roles
-        replies = roles.all(roles.engines, engine_method)
+        roles.all(roles.engines, engine_method)
         moved = roles.all(roles.trainer, trainer_method)
         if trainer_method == "offload" and roles.reference:
             moved += roles.all(roles.reference, "offload")
-        self.switch_bytes = getattr(self, "switch_bytes", {})
         self.switch_bytes[trainer_method] = sum(moved)
-        self.engine_switch = replies[0] if replies else {}
 
     def reference_logprobs(self, batch: TokenBatch, step: int):
         if not self.roles.reference:
@@ -289,7 +293,7 @@ class RunState:
         cfg = self.cfg
         hf_dir = None
         if cfg.checkpoint.export_hf and self.history:
-            d = getattr(self, "last_checkpoint", None)
+            d = self.last_checkpoint
             if d is None or not str(d).endswith(f"{self.version:06d}"):
                 d = self.checkpoint(self.version, force=True)
             hf_dir = str(self.out / "hf")
@@ -312,17 +316,19 @@ class RunState:
             "syncs": len(self.history), "sync_bytes_per_step": self.plan.bytes_minimal,
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
-            "checkpoint": str(getattr(self, "last_checkpoint", "")) or None,
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
         (self.out / "result.json").write_text(json.dumps(result, indent=1))
         return result
 
-    def close(self) -> None:
-        roles = getattr(self, "roles", None)
+    def close(self, failed: bool = False) -> None:
+        if failed and self.tracker is not None:
+            self.tracker.finish(exit_code=1)  # the W&B run is marked failed (finish is idempotent)
+        roles = self.roles
         if roles is not None:
             roles.shutdown()
             self.roles = None
-        if getattr(self, "ray_owned", False):
+        if self.ray_owned:
             import ray
 
             ray.shutdown()
