@@ -106,7 +106,8 @@ class RunState:
         resume_dir = resolve_resume(Path(cfg.checkpoint.dir), cfg.checkpoint.resume)
         t = cfg.trainer
         layout = Layout(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep)
-        self.sync_layout = SyncLayout(cfg.model, layout, cfg.rollout.num_engines, self._sync_topology(layout))
+        self.sync_layout = SyncLayout(cfg.model, layout, cfg.rollout.num_engines, self._sync_topology(layout),
+                                      cfg.trainer.zero_stage)
         self.plan = self.sync_layout.plan()  # validated before any actor starts
         # Co-located trainer ranks and engine hosts exchange through shared memory (cpu; the CUDA / NPU IPC
         # path of weight_sync.shm is not yet tested on devices, so there the group carries everything).

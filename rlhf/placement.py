@@ -459,13 +459,14 @@ def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spe
     """An estimate of the bytes each role rank keeps on its device, per device (see `memory_notes`).
     `trainer_spec` (ranks from 0) and `engine_spec` (ranks from W) are built when not given."""
     from rlhf.model.shapes import count_params
-    from rlhf.model.sharding import trainer_shard_spec
+    from rlhf.model.sharding import trainer_shard_spec, zero3_axis
     from weight_sync.inference_spec import engine_shard_spec
 
     m, p = cfg.model, cfg.placement
+    zero3 = cfg.trainer.zero_stage == 3
     lay, il = trainer_layout(cfg), inference_layout(cfg)
     W = lay.world_size
-    src = trainer_spec if trainer_spec is not None else trainer_shard_spec(m, lay)
+    src = trainer_spec if trainer_spec is not None else trainer_shard_spec(m, lay, zero_stage=cfg.trainer.zero_stage)
     dst = engine_spec if engine_spec is not None else engine_shard_spec(m, il, rank_offset=W)
     pbytes, rbytes = DTYPE_BYTES[m.dtype.value], DTYPE_BYTES[cfg.rollout.dtype.value]
     expert_replicas = lay.plane // lay.expert_shards
@@ -473,9 +474,14 @@ def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spe
 
     def trainer_bytes(buffers) -> tuple[int, int]:
         params = sum(_numel(s) for _, s in buffers)
-        # AdamW: fp32 master slice + exp_avg + exp_avg_sq, sharded over the parameter's replicas (ZeRO-1)
-        opt = sum(-(-12 * _numel(s) // (expert_replicas if name.endswith(_EXPERT_BUFFERS) else lay.dp))
-                  for name, s in buffers)
+        # AdamW: fp32 master slice + exp_avg + exp_avg_sq, sharded over the parameter's replicas (ZeRO-1);
+        # zero_stage=3 buffers are already this rank's rows
+        def replicas(name: str) -> int:
+            if zero3 and zero3_axis(name):
+                return 1
+            return expert_replicas if name.endswith(_EXPERT_BUFFERS) else lay.dp
+
+        opt = sum(-(-12 * _numel(s) // replicas(name)) for name, s in buffers)
         return params * pbytes, 2 * params * pbytes + opt  # (reference: params; trainer: params + grads + opt)
 
     memo: dict[int, tuple[int, int]] = {}
@@ -506,7 +512,10 @@ def memory_notes(cfg: RunConfig) -> list[str]:
     p, r = cfg.placement, cfg.rollout
     notes = [f"trainer: its shards ({cfg.model.dtype.value}) + grads (same dtype) + AdamW fp32 master and two "
              f"moments split over the replicas (ZeRO-1: dense / dp, experts / expert replicas); activations "
-             f"not included",
+             f"not included" if cfg.trainer.zero_stage == 1 else
+             f"trainer: its row shards (zero_stage=3: dense / dp, experts / expert replicas; {cfg.model.dtype.value}) "
+             f"+ grads + AdamW fp32 master and two moments of those rows; the largest unit's gathered "
+             f"parameters and activations not included",
              "reference: its shards only (same layout as the trainer)" if cfg.algorithm.kl_coef > 0 else
              "reference: none (algorithm.kl_coef = 0)"]
     if p.device_type is DeviceType.cpu:
@@ -587,7 +596,7 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     p, m = cfg.placement, cfg.model
     lay, il = trainer_layout(cfg), inference_layout(cfg)
     W = lay.world_size
-    src = trainer_shard_spec(m, lay)
+    src = trainer_shard_spec(m, lay, zero_stage=cfg.trainer.zero_stage)
     dst = engine_shard_spec(m, il, rank_offset=W)
     memory = memory_estimate(cfg, dm, src, dst)
     topology = transfer_topology(cfg, dm)

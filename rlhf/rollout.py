@@ -6,6 +6,7 @@ Legend: P prompts (groups), G samples per prompt.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
 from rlhf.config.schema import RewardKind, RunConfig
 
-MAX_DRAWS = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
+MAX_DRAWS = 4  # dynamic sampling: at most this many draws per step
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,11 @@ class Rollout:
 
 def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
+    over = max(cfg.data.gen_prompts_per_step, P) / P  # draws generate this many prompts per group still missing
     kept: list[tuple] = []  # (row, prompt ids, completions, rewards, scores) per group
     drawn, gen_s, rew_s, tokens = 0, 0.0, 0.0, 0
     for draw in range(MAX_DRAWS if cfg.algorithm.dynamic_sampling else 1):
-        rows = sampler.next(P - len(kept) if cfg.algorithm.dynamic_sampling else P)
+        rows = sampler.next(math.ceil((P - len(kept)) * over) if cfg.algorithm.dynamic_sampling else P)
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
         t0 = time.time()
         comps = roles.generate(prompts, n=G, seed=cfg.seed * 100_003 + step * 101 + draw)

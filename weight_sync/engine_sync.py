@@ -26,6 +26,7 @@ class SyncLayout:
     trainer: Layout
     engines: int
     topology: Topology  # nodes of the transfer ranks (trainer ranks, then engine hosts)
+    zero_stage: int = 1  # the trainer's: 3 row-shards parameters, so every DP rank sends its own rows
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
@@ -42,7 +43,7 @@ class SyncLayout:
     def src_spec(self) -> ShardSpec:
         from rlhf.model.sharding import trainer_shard_spec
 
-        return trainer_shard_spec(self.model, self.trainer)
+        return trainer_shard_spec(self.model, self.trainer, zero_stage=self.zero_stage)
 
     def dst_spec(self) -> ShardSpec:
         return engine_shard_spec(self.model, InferenceLayout(tp=1, engines=self.engines),

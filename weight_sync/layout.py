@@ -94,6 +94,10 @@ class Layout:
             seen.setdefault(self._named_group(r, axis), None)
         return tuple(seen)
 
+    def axis_group(self, rank: int, axis: str) -> tuple[int, ...]:
+        """`rank`'s group along any axis: pp, dp, tp, ep, expert_replica or stage."""
+        return self._named_group(rank, axis)
+
     def _named_group(self, rank: int, axis: str) -> tuple[int, ...]:
         return {"ep": self.ep_group, "expert_replica": self.expert_replica_group, "stage": self.stage_group}.get(
             axis, lambda r: self.group(r, axis))(rank)

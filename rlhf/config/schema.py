@@ -96,6 +96,9 @@ class DataConfig:
     # A malformed row raises (naming file and line) unless this is set; skipped rows are counted.
     skip_bad_rows: bool = False
     prompts_per_step: int = 16
+    # Dynamic sampling: prompts generated per draw (verl's gen_batch_size), so that one draw usually fills
+    # prompts_per_step groups with signal; refills scale by the same ratio. 0: prompts_per_step.
+    gen_prompts_per_step: int = 0
     max_prompt_tokens: int = 64
     shuffle: bool = True
 
@@ -177,10 +180,15 @@ class TrainerConfig:
     tp: int = 1
     ep: int = 1
     experts_over_tp_ep: bool = False  # split experts over tp x ep instead of ep alone
+    # 1: AdamW state sharded over a parameter's replicas (ZeRO-1); 3: the parameters too, gathered per
+    # module on use (ZeRO-3 / FSDP2 layout; docs/trainer.md)
+    zero_stage: int = 1
     backend: DistBackend = DistBackend.auto
     collective_timeout_s: float = 120.0
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr / warmup to lr
+    lr_decay_steps: int = 0  # optimizer steps of cosine decay after the warmup, to lr * lr_min_ratio (0: constant)
+    lr_min_ratio: float = 0.1  # the decayed lr as a fraction of lr; held there after lr_decay_steps
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0

@@ -130,6 +130,12 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("algorithm.group_size", 1, f"{a.estimator.value} normalises within a group; use 2 or more"))
     if d.prompts_per_step <= 0:
         p.append(Problem("data.prompts_per_step", d.prompts_per_step, "must be >= 1"))
+    if d.gen_prompts_per_step and not a.dynamic_sampling:
+        p.append(Problem("data.gen_prompts_per_step", d.gen_prompts_per_step,
+                         "only applies with algorithm.dynamic_sampling=true; set it to 0 or enable dynamic sampling"))
+    elif d.gen_prompts_per_step and d.gen_prompts_per_step < d.prompts_per_step:
+        p.append(Problem("data.gen_prompts_per_step", d.gen_prompts_per_step,
+                         f"must be 0 or >= data.prompts_per_step={d.prompts_per_step}"))
     if a.group_size > 0 and d.prompts_per_step > 0:
         batch = d.prompts_per_step * a.group_size
         if t.mini_batch_size <= 0 or batch % t.mini_batch_size:
@@ -151,6 +157,13 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.lr", t.lr, "must be > 0"))
     if t.lr_warmup_steps < 0:
         p.append(Problem("trainer.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0 (0: no warmup)"))
+    if t.zero_stage not in (1, 3):
+        p.append(Problem("trainer.zero_stage", t.zero_stage, "must be 1 (optimizer state sharded) or 3 "
+                         "(parameters sharded too, gathered per module on use)"))
+    if t.lr_decay_steps < 0:
+        p.append(Problem("trainer.lr_decay_steps", t.lr_decay_steps, "must be >= 0 (0: constant lr after the warmup)"))
+    if not 0 <= t.lr_min_ratio <= 1:
+        p.append(Problem("trainer.lr_min_ratio", t.lr_min_ratio, "must be in [0, 1] (a fraction of trainer.lr)"))
     if t.epochs < 1:
         p.append(Problem("trainer.epochs", t.epochs, "must be >= 1"))
     if cfg.steps < 1 or cfg.eval_every < 1:

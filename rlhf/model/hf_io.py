@@ -252,6 +252,10 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
                 if p.buffer not in local:
                     local[p.buffer] = torch.empty(sharding.local_shapes[p.buffer], dtype=part.dtype)
                 local[p.buffer][p.buffer_slices()] = part
+    dtype = next(iter(local.values())).dtype if local else torch.float32
+    for name, shape in sharding.local_shapes.items():  # a row shard with no rows (zero_stage=3, tiny dims)
+        if name not in local and 0 in shape:
+            local[name] = torch.empty(shape, dtype=dtype)
     missing = set(sharding.local_shapes) - set(local)
     if missing:
         raise ValueError(f"{d}: no tensors for {sorted(missing)[:3]}")

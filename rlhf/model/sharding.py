@@ -11,6 +11,14 @@ replicas of their stage's shards. The tables come from `rlhf.model.shapes.param_
 architecture the schema describes (MLA, shared experts, MTP) is covered, also those the torch model
 does not build yet.
 
+With `zero_stage=3` (sharded data parallelism, FSDP2's layout) every parameter that has identical
+copies on several ranks is further split by rows (dim 0) over those ranks: the DP group for
+attention, dense MLPs, norms, embedding and lm_head; the expert-replica group for routed experts (a
+stacked expert buffer splits by whole experts). Router and q/k norms (gradients summed over the
+whole stage, a few KB) stay replicated. Rank i of a group of n holds rows [i*c, min((i+1)*c, d0)),
+c = ceil(d0 / n): its own box of the HF tensor, so the resharding layer sends each destination its
+slices straight from the rank that owns them.
+
 `trainer_shard_spec` turns these rules into a `ShardSpec` in canonical HF names: the contract between
 the parallel trainer (which slices its parameters with `local_tensors`) and the resharding planner.
 """
@@ -136,23 +144,80 @@ def _rank_buffers_and_pieces(cfg, dense, expert_prefixes, t: int, tp: int, local
     return buffers, tuple(pieces)
 
 
+def zero3_axis(name: str) -> str | None:
+    """The group a parameter's rows are split over under zero_stage=3: its gradient group, except for
+    the stage-reduced parameters (router, q/k norms), which stay whole."""
+    if split_of(name) is Split.experts:
+        return "expert_replica"
+    return None if grad_reduced_over_stage(name) else "dp"
+
+
+def shard_rows(d0: int, n: int, i: int) -> tuple[int, int]:
+    """Rows [lo, hi) of a dim of length d0 that member i of n holds (the last ones may hold fewer, or none)."""
+    c = -(-d0 // n)
+    lo = min(i * c, d0)
+    return lo, min(lo + c, d0)
+
+
+def axis_position(layout: Layout, rank: int, axis: str) -> tuple[int, int]:
+    """(group size, this rank's position) along `axis`, positions in ascending rank order as
+    torch.distributed numbers the members of a group."""
+    group = sorted(layout.axis_group(rank, axis))
+    return len(group), group.index(rank)
+
+
+def _narrow_rows(buffers: dict[str, Shape], pieces, layout: Layout, rank: int):
+    """zero_stage=3: keep rows [lo, hi) of each row-sharded buffer and the parts of pieces inside them."""
+    ranges: dict[str, tuple[int, int]] = {}
+    out_buffers: dict[str, Shape] = {}
+    for name, shape in buffers.items():
+        axis = zero3_axis(name)
+        n, i = axis_position(layout, rank, axis) if axis else (1, 0)
+        if n == 1:
+            out_buffers[name] = shape
+            continue
+        ranges[name] = lo, hi = shard_rows(shape[0], n, i)
+        out_buffers[name] = (hi - lo,) + tuple(shape[1:])
+    out_pieces = []
+    for p in pieces:
+        if p.buffer not in ranges:
+            out_pieces.append(p)
+            continue
+        lo, hi = ranges[p.buffer]
+        bb = p.buffer_box()
+        a, b = max(bb.start[0], lo), min(bb.stop[0], hi)
+        if a >= b:
+            continue
+        offset = (a - lo,) + tuple(p.offset[1:])
+        if len(p.offset) > len(p.box.size):  # dim 0 is a stacking dim (one expert): kept whole
+            out_pieces.append(Piece(p.param, p.box, p.buffer, offset))
+        else:
+            box = Box((p.box.start[0] + a - bb.start[0],) + tuple(p.box.start[1:]), (b - a,) + tuple(p.box.size[1:]))
+            out_pieces.append(Piece(p.param, box, p.buffer, offset))
+    return out_buffers, tuple(out_pieces)
+
+
 def _expert_map(cfg: ModelConfig, layout: Layout, expert_map: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(expert_map) if expert_map is not None else default_expert_map(cfg.num_experts, layout.expert_shards)
 
 
 def rank_sharding(cfg: ModelConfig, layout: Layout, rank: int, expert_map: Sequence[int] | None = None,
-                  stage_split: Sequence[int] | None = None) -> TrainerSharding:
+                  stage_split: Sequence[int] | None = None, zero_stage: int = 1) -> TrainerSharding:
     c = layout.coords(rank)
     dense, experts = _stage_tables(cfg, layout.stage_layers(cfg.num_hidden_layers, stage_split))
     local = layout.experts(rank, cfg.num_experts, _expert_map(cfg, layout, expert_map))
     buffers, pieces = _rank_buffers_and_pieces(cfg, dense[c.pp], experts[c.pp], c.tp, layout.tp, local)
+    if zero_stage == 3:
+        buffers, pieces = _narrow_rows(buffers, pieces, layout, rank)
     return TrainerSharding(rank, buffers, pieces)
 
 
 def trainer_shard_spec(cfg: ModelConfig, layout: Layout, expert_map: Sequence[int] | None = None,
-                       stage_split: Sequence[int] | None = None, rank_offset: int = 0) -> ShardSpec:
+                       stage_split: Sequence[int] | None = None, rank_offset: int = 0,
+                       zero_stage: int = 1) -> ShardSpec:
     """The whole trainer's shard spec; ranks numbered from `rank_offset` in the transfer world. Ranks
-    with the same stage, TP index and expert shard (DP replicas) share one description."""
+    with the same stage, TP index and expert shard (DP replicas) share one description; with
+    zero_stage=3 the DP and expert-replica positions tell the row shards apart."""
     dense, experts = _stage_tables(cfg, layout.stage_layers(cfg.num_hidden_layers, stage_split))
     emap = _expert_map(cfg, layout, expert_map)
     memo: dict[tuple[int, int, int], tuple] = {}
@@ -160,9 +225,13 @@ def trainer_shard_spec(cfg: ModelConfig, layout: Layout, expert_map: Sequence[in
     for r in range(layout.world_size):
         c = layout.coords(r)
         key = (c.pp, c.tp, layout.ep_index(r))
+        if zero_stage == 3:
+            key += (axis_position(layout, r, "dp")[1], axis_position(layout, r, "expert_replica")[1])
         if key not in memo:
             local = layout.experts(r, cfg.num_experts, emap)
             buffers, pieces = _rank_buffers_and_pieces(cfg, dense[c.pp], experts[c.pp], c.tp, layout.tp, local)
+            if zero_stage == 3:
+                buffers, pieces = _narrow_rows(buffers, pieces, layout, r)
             memo[key] = (tuple(buffers.items()), pieces)
         ranks.append(RankShards(rank_offset + r, *memo[key]))
     return ShardSpec(f"trainer {layout}", tuple(param_shapes(cfg).items()), tuple(ranks), cfg.dtype.value)

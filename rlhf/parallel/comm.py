@@ -56,6 +56,8 @@ class LayoutGroups:
     expert_replica: object
     stage: object
     ranks: dict  # axis -> tuple of global ranks of this rank's group
+    # tp > KV heads: the TP ranks holding the same (replicated) KV head; their k/v gradients are summed
+    kv_head: object = None
 
     def size(self, axis: str) -> int:
         return len(self.ranks[axis])
@@ -64,8 +66,18 @@ class LayoutGroups:
         return self.ranks[axis].index(self.rank)
 
 
-def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> LayoutGroups:
-    """Create every group of every axis (all ranks must call this, in the same order)."""
+def kv_head_groups(layout: Layout, kv_heads: int) -> tuple[tuple[int, ...], ...]:
+    """tp > KV heads: each KV head is replicated on tp / kv_heads consecutive TP ranks (rank t holds head
+    t * kv_heads // tp). One group per (stage, DP index, head); none when tp <= kv_heads."""
+    if layout.tp <= kv_heads:
+        return ()
+    per = layout.tp // kv_heads
+    return tuple(tuple(range(first, first + per)) for first in range(0, layout.world_size, per))
+
+
+def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0, kv_heads: int | None = None) -> LayoutGroups:
+    """Create every group of every axis (all ranks must call this, in the same order). `kv_heads`: the
+    model's KV heads, for the groups that share a replicated KV head when tp exceeds them."""
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the process group has "
                          f"{dist.get_world_size()}")
@@ -76,6 +88,11 @@ def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0) -> LayoutG
             handle = dist.new_group(list(g), timeout=timeout) if len(g) > 1 else None
             if rank in g:
                 mine[axis], ranks[axis] = handle, g
+    ranks["kv_head"] = (rank,)
+    for g in kv_head_groups(layout, kv_heads or layout.tp):
+        handle = dist.new_group(list(g), timeout=timeout)
+        if rank in g:
+            mine["kv_head"], ranks["kv_head"] = handle, g
     return LayoutGroups(layout, rank, ranks=ranks, **mine)
 
 

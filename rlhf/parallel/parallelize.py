@@ -92,9 +92,10 @@ def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: L
                 dispatcher: Dispatcher) -> Qwen3MoeForCausalLM:
     cfg, layout = model.config, groups.layout
     stage = layout.coords(groups.rank).pp
-    if cfg.num_key_value_heads % layout.tp:
-        raise NotImplementedError(f"trainer tp={layout.tp} exceeds num_key_value_heads={cfg.num_key_value_heads}: "
-                                  "replicated KV heads are planned but not trained yet; use tp <= KV heads")
+    K = cfg.num_key_value_heads
+    if K % layout.tp and layout.tp % K:
+        raise ValueError(f"trainer tp={layout.tp} must divide num_key_value_heads={K} or be a multiple of it "
+                         "(KV heads are split over tp, or replicated by head group when tp exceeds them)")
     if cfg.tie_word_embeddings and layout.pp > 1:
         raise NotImplementedError("tied embeddings across pipeline stages are not supported; untie or use pp=1")
     inner = model.model
@@ -153,6 +154,8 @@ def replicas_of(name: str, groups: LayoutGroups) -> int:
     split = split_of(name)
     if split is Split.experts:
         return layout.plane // layout.expert_shards
+    if split is Split.tp_kv_rows:  # tp > KV heads: a KV head is replicated over its TP ranks too
+        return layout.dp * groups.size("kv_head")
     if split in (Split.tp_rows, Split.tp_cols, Split.tp_kv_rows):
         return layout.dp
     return layout.plane

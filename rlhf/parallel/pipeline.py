@@ -39,8 +39,7 @@ class PipelineRunner:
 
     def _recv(self, mb, src: int) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape
-        buf = torch.empty(B, T, self.hidden, dtype=self.model.model.layers[self.stages[self.stage][0]]
-                          .input_layernorm.weight.dtype)
+        buf = torch.empty(B, T, self.hidden, dtype=next(self.model.parameters()).dtype)
         dist.recv(buf, src=src)
         return buf
 

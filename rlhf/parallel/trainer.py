@@ -10,6 +10,8 @@ Legend: B batch, T tokens, V vocab.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,12 +24,13 @@ from torch.utils.checkpoint import checkpoint
 from rlhf.config.schema import ModelConfig, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import TrainerSharding, rank_sharding
+from rlhf.model.sharding import Split, TrainerSharding, axis_position, rank_sharding, split_of, zero3_axis
 from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
+from rlhf.parallel.zero3 import RowShard, shard_parameters
 from weight_sync.layout import Layout, default_expert_map
 
 
@@ -63,12 +66,14 @@ class ParallelTrainer:
                  stage_split: Sequence[int] | None = None, ranks_per_node: int | None = None,
                  hierarchical_ep: bool = False):
         self.cfg, self.tcfg, self.layout, self.rank = model_cfg, trainer_cfg, layout, rank
-        self.groups: LayoutGroups = build_groups(layout, rank, trainer_cfg.collective_timeout_s)
+        self.groups: LayoutGroups = build_groups(layout, rank, trainer_cfg.collective_timeout_s,
+                                                 model_cfg.num_key_value_heads)
         self.expert_map = tuple(expert_map) if expert_map is not None else default_expert_map(
             model_cfg.num_experts, layout.expert_shards)
         self.stages = layout.stage_layers(model_cfg.num_hidden_layers, stage_split)
         self.stage = layout.coords(rank).pp
-        self.sharding: TrainerSharding = rank_sharding(model_cfg, layout, rank, self.expert_map, stage_split)
+        self.sharding: TrainerSharding = rank_sharding(model_cfg, layout, rank, self.expert_map, stage_split,
+                                                       trainer_cfg.zero_stage)
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(model_cfg)
         local = load_local_shards(model_dir, self.sharding)
@@ -79,12 +84,30 @@ class ParallelTrainer:
             self.dispatcher = FlatDispatcher(self.groups, ranks_per_node)
         self.model = parallelize(model, self.sharding, self.groups, local, self.expert_map, self.stages,
                                  self.dispatcher)
+        self.row_shards: dict[str, RowShard] = {}  # zero_stage=3: the parameters gathered on use
+        if trainer_cfg.zero_stage == 3:
+            self._shard_parameters(stage_split)
         self._apply_recompute(trainer_cfg.recompute)
-        self.params = dict(self.model.named_parameters())
+        named = dict(self.model.named_parameters())
+        self.params = {n: self.zero3_params[n] if n in self.row_shards else named[n] for n in self.sharding.local_shapes}
         self.optimizer = ShardedAdamW(self._optimizer_buckets(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
         self._offloaded: dict | None = None
+
+    def _shard_parameters(self, stage_split) -> None:
+        """zero_stage=3: the loaded row shards become parameters gathered by each unit's forward."""
+        full = rank_sharding(self.cfg, self.layout, self.rank, self.expert_map, stage_split).local_shapes
+        axis_of = {}
+        for name in self.sharding.local_shapes:
+            axis = zero3_axis(name)
+            n, i = axis_position(self.layout, self.rank, axis) if axis else (1, 0)
+            if n > 1:
+                self.row_shards[name] = RowShard(tuple(full[name]), n, i)
+                axis_of[name] = axis
+        self.zero3_params = shard_parameters(self.model, self.row_shards,
+                                             {"dp": self.groups.dp, "expert_replica": self.groups.expert_replica},
+                                             axis_of)
 
     # --- forward ---
     @property
@@ -135,15 +158,25 @@ class ParallelTrainer:
         return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": self.optimizer.opt.param_groups[0]["lr"]}
 
     def current_lr(self) -> float:
-        """The learning rate of the next optimizer step: linear warmup over `lr_warmup_steps`, then flat."""
-        warmup = self.tcfg.lr_warmup_steps
-        return self.tcfg.lr * min(1.0, (self.optimizer.steps_taken + 1) / warmup) if warmup > 0 else self.tcfg.lr
+        """The learning rate of the next optimizer step: linear warmup over `lr_warmup_steps`, then flat,
+        or (`lr_decay_steps` > 0) a cosine from lr down to lr * lr_min_ratio over that many steps, then
+        held. Counted by the optimizer's own step count, which checkpoints carry."""
+        t, step = self.tcfg, self.optimizer.steps_taken
+        if step < t.lr_warmup_steps:
+            return t.lr * (step + 1) / t.lr_warmup_steps
+        if t.lr_decay_steps <= 0:
+            return t.lr
+        progress = min(1.0, (step - t.lr_warmup_steps) / t.lr_decay_steps)
+        return t.lr * (t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def _optimizer_buckets(self) -> dict:
         """Parameters grouped by the ranks holding identical copies of them (their gradient group):
         each group shares one AdamW state, split over its ranks (ZeRO-1)."""
         buckets: dict[str, tuple] = {}
         for name, p in self.params.items():
+            if name in self.row_shards:  # zero_stage=3: the row shard is this rank's alone to update
+                buckets.setdefault("zero3", (None, 1, 0, []))[3].append(p)
+                continue
             group, kind = grad_group_of(name, self.groups)
             size = self.groups.size(kind)
             buckets.setdefault(kind, (group if size > 1 else None, size, self.groups.index(kind), []))[3].append(p)
@@ -151,26 +184,29 @@ class ParallelTrainer:
 
     def sync_grads(self) -> None:
         """Sum each gradient over the ranks that hold the same shard but saw other tokens; one flat
-        all-reduce per group kind."""
+        all-reduce per group kind. Row shards (zero_stage=3) arrive summed from their gather's backward.
+        tp > KV heads: the TP ranks sharing a KV head each saw their own query heads, so k/v gradients
+        are first summed over them."""
+        if self.groups.kv_head is not None:
+            _all_reduce_flat([p.grad for n, p in self.params.items() if split_of(n) is Split.tp_kv_rows],
+                             self.groups.kv_head)
         buckets: dict[str, tuple[object, list[torch.Tensor]]] = {}
         for name, p in self.params.items():
+            if name in self.row_shards:
+                continue
             group, kind = grad_group_of(name, self.groups)
             if group is not None:
                 buckets.setdefault(kind, (group, []))[1].append(p.grad)
         for group, grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            all_reduce(flat, group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _all_reduce_flat(grads, group)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (each replica counted once); clip like
         torch.nn.utils.clip_grad_norm_."""
         sq = torch.zeros((), dtype=torch.float64)
         for name, p in self.params.items():
-            sq += p.grad.double().pow(2).sum() / replicas_of(name, self.groups)
+            copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
+            sq += p.grad.double().pow(2).sum() / copies
         torch.distributed.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0:
@@ -272,6 +308,18 @@ class ParallelTrainer:
                 if self.model.model.layers[i].is_moe]
         stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
         return all_reduce(stats, self.groups.stage)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum the tensors over `group` in one flat all-reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _checkpointed(fn):

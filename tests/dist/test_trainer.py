@@ -89,6 +89,7 @@ def worker(rank, layout, model_dir, kw):
     res["offload_exact"] = all(torch.equal(before[n], p) for n, p in tr.params.items()) and all(
         torch.equal(a, b) for a, b in zip(state_before, tr.optimizer.owned_tensors()))
     res["optimizer_state_bytes"] = tr.optimizer.state_bytes()
+    res["param_bytes"] = sum(p.numel() * p.element_size() for p in tr.params.values())
     sharding, tensors = tr.export_shards()
     res["sharding"], res["params"] = sharding, {n: t.clone() for n, t in tensors.items()}
     res["dispatch"] = tr.dispatcher.stats
@@ -144,6 +145,13 @@ LAYOUTS = {
     "experts_over_tp_ep": (Layout(dp=2, tp=2, ep=2, experts_over_tp_ep=True), {}),
     "ep2_noncontiguous_recompute": (Layout(dp=2, ep=2), {"expert_map": [1, 0, 0, 1, 1, 0, 1, 0],
                                                         "tcfg": {"recompute": ("attention", "experts", "norms")}}),
+    "tp4_kv_heads_replicated": (Layout(tp=4), {}),  # 2 KV heads: each replicated on 2 TP ranks
+    # zero_stage=3: parameters sharded by rows over DP (experts over their replicas), gathered on use
+    "dp2_zero3": (Layout(dp=2), {"tcfg": {"zero_stage": 3}}),
+    "dp4xep2_zero3_recompute": (Layout(dp=4, ep=2), {"tcfg": {"zero_stage": 3,
+                                                               "recompute": ("attention", "experts", "norms")}}),
+    "tp2xep2_zero3": (Layout(dp=2, tp=2, ep=2), {"tcfg": {"zero_stage": 3}}),
+    "pp2xdp2_zero3": (Layout(pp=2, dp=2), {"tcfg": {"zero_stage": 3}}),
 }
 
 
@@ -177,3 +185,13 @@ def test_optimizer_state_is_sharded_over_data_parallel_ranks(model_dir):
     single = run_ranks(worker, 1, Layout(), str(model_dir), {}, timeout_s=240)[0]["optimizer_state_bytes"]
     dp2 = [r["optimizer_state_bytes"] for r in run_ranks(worker, 2, Layout(dp=2), str(model_dir), {}, timeout_s=240)]
     assert all(0.45 * single <= b <= 0.55 * single for b in dp2), (single, dp2)
+
+
+def test_zero3_shards_parameters_and_optimizer_state_over_data_parallel_ranks(model_dir):
+    """zero_stage=3 keeps half the parameter bytes per rank at dp2 (no full copy stays resident after a
+    step); AdamW state is split as with ZeRO-1."""
+    single = run_ranks(worker, 1, Layout(), str(model_dir), {}, timeout_s=240)[0]
+    dp2 = run_ranks(worker, 2, Layout(dp=2), str(model_dir), {"tcfg": {"zero_stage": 3}}, timeout_s=240)
+    for r in dp2:
+        assert 0.45 * single["param_bytes"] <= r["param_bytes"] <= 0.55 * single["param_bytes"], r["param_bytes"]
+        assert 0.45 * single["optimizer_state_bytes"] <= r["optimizer_state_bytes"] <= 0.55 * single["optimizer_state_bytes"]

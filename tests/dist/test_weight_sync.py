@@ -24,12 +24,13 @@ def full_tensors():
     return dict(to_hf_tensors(m.state_dict(), CFG))
 
 
-def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip):
+def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip, zero_stage=1):
     full = full_tensors()
-    src_spec = trainer_shard_spec(CFG, src_layout, emap)
+    src_spec = trainer_shard_spec(CFG, src_layout, emap, zero_stage=zero_stage)
     dst_spec = engine_shard_spec(CFG, dst_layout, rank_offset=offset)
     plan = plan_reshard(src_spec, dst_spec, Topology.single_node(world))
-    src = local_tensors(full, rank_sharding(CFG, src_layout, rank, emap)) if rank < src_layout.world_size else None
+    src = (local_tensors(full, rank_sharding(CFG, src_layout, rank, emap, zero_stage=zero_stage))
+           if rank < src_layout.world_size else None)
     mine = [r for r in dst_spec.ranks if r.rank == rank]
     dst = {n: torch.full(s, float("nan")) for n, s in mine[0].buffers} if mine else None
 
@@ -56,14 +57,18 @@ CASES = {
     "co-located pp2xtp2 -> ep4": (Layout(pp=2, tp=2), None, InferenceLayout(tp=1, ep=4), 0, 4),
     "ep2 non-contiguous -> 2 engines": (Layout(dp=2, ep=2), [1, 0, 0, 1, 1, 0, 1, 0], InferenceLayout(tp=1, engines=2), 2, 4),
     "tp2 -> tp2 x ep4 (dp attention) co-located": (Layout(dp=2, tp=2, ep=2), None, InferenceLayout(tp=2, ep=4), 0, 4),
+    # zero_stage=3: each DP rank owns its rows (experts: whole experts per replica) and sends them itself
+    "zero3 dp4xep2 -> tp2 co-located": (Layout(dp=4, ep=2), None, InferenceLayout(tp=2), 0, 4, 3),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_p2p_reshard_is_exact(name):
-    src_layout, emap, dst_layout, offset, world = CASES[name]
-    results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 4096, None, timeout_s=180)
+    src_layout, emap, dst_layout, offset, world, *zero = CASES[name]
+    results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 4096, None, *zero, timeout_s=180)
     assert all(r["exact"] for r in results)
+    if zero:  # every trainer rank sends: the row shards have one owner each
+        assert all(r["stats"].bytes_sent + r["stats"].bytes_local > 0 for r in results[:src_layout.world_size])
     minimal, network, local = results[0]["plan"]
     assert sum(r["stats"].bytes_received for r in results) == network
     assert sum(r["stats"].bytes_local for r in results) == local and network + local == minimal

@@ -62,6 +62,24 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_refills():
         assert all(TOK.decode(list(c.token_ids), skip_special_tokens=True).startswith(row.answer) for c in comps[::2])
 
 
+def test_oversampled_draws_fill_the_batch_in_fewer_calls():
+    """data.gen_prompts_per_step (verl's gen_batch_size): a draw generates more prompts than the batch
+    needs, so one call usually fills it; the batch is still prompts_per_step groups with signal."""
+    roles = StandInRoles()
+    calls = []
+    generate = roles.generate
+    roles.generate = lambda prompts, **kw: calls.append(len(prompts)) or generate(prompts, **kw)
+    cfg = dataclasses.replace(_cfg(dynamic_sampling=True), data=DataConfig(prompts_per_step=6, gen_prompts_per_step=12))
+    ro = collect(cfg, roles, PromptSampler(_rows(), 6, seed=0), TOK, step=1)
+    assert len(ro.rows) == 6 and (ro.rewards_PG.max(1).values > ro.rewards_PG.min(1).values).all()
+    assert calls[0] == 12 and ro.groups_drawn == sum(calls)
+    plain, plain_calls = StandInRoles(), []
+    plain_generate = plain.generate
+    plain.generate = lambda prompts, **kw: plain_calls.append(len(prompts)) or plain_generate(prompts, **kw)
+    collect(_cfg(dynamic_sampling=True), plain, PromptSampler(_rows(), 6, seed=0), TOK, step=1)
+    assert len(calls) == 1 < len(plain_calls)  # the same prompts without oversampling needed a refill
+
+
 def test_without_dynamic_sampling_the_first_draw_is_the_batch():
     roles = StandInRoles()
     ro = collect(_cfg(), roles, PromptSampler(_rows(), 6, seed=0), TOK, step=1)

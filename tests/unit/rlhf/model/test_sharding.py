@@ -25,21 +25,37 @@ def test_rules():
     assert split_of("model.layers.0.mlp.down_proj.weight") is Split.tp_cols
 
 
+@pytest.mark.parametrize("zero_stage", [1, 3])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_spec_covers_and_slicing_reassembles(layout):
-    spec = trainer_shard_spec(CFG, layout)
+def test_spec_covers_and_slicing_reassembles(layout, zero_stage):
+    spec = trainer_shard_spec(CFG, layout, zero_stage=zero_stage)
     spec.validate(must_cover=True)
+    assert [r.buffers for r in spec.ranks] == [tuple(rank_sharding(CFG, layout, r, zero_stage=zero_stage).local_shapes.items())
+                                               for r in range(layout.world_size)]
     model = Qwen3MoeForCausalLM(CFG)
     model.init_weights(0)
     full = {n: t.clone() for n, t in to_hf_tensors(model.state_dict(), CFG)}
     rebuilt = {n: torch.full_like(t, float("nan")) for n, t in full.items()}
     for r in range(layout.world_size):
-        s = rank_sharding(CFG, layout, r)
+        s = rank_sharding(CFG, layout, r, zero_stage=zero_stage)
         local = local_tensors(full, s)
         for p in s.pieces:
             rebuilt[p.param][p.box.slices()] = local[p.buffer][p.buffer_slices()]
     for n in full:
         assert torch.equal(rebuilt[n], full[n]), n
+
+
+def test_zero3_splits_replicated_rows_over_dp_and_experts_over_their_replicas():
+    layout = Layout(dp=4, ep=2)  # expert replicas: 2
+    one, three = rank_sharding(CFG, layout, 1), rank_sharding(CFG, layout, 1, zero_stage=3)
+    assert three.local_shapes["model.embed_tokens.weight"] == (10, 32)  # 40 rows over dp 4: rank 1 rows 10-19
+    assert three.local_shapes["model.norm.weight"] == (8,)
+    assert three.local_shapes["model.layers.1.mlp.experts.gate_up_proj"] == (2, 48, 32)  # 4 local experts / 2
+    assert three.local_shapes["model.layers.1.mlp.gate.weight"] == one.local_shapes["model.layers.1.mlp.gate.weight"]
+    embed = [p for p in three.pieces if p.param == "model.embed_tokens.weight"]
+    assert [(p.box.start, p.box.size, p.offset) for p in embed] == [((10, 0), (10, 32), (0, 0))]
+    held = sum(torch.Size(s).numel() for s in three.local_shapes.values())
+    assert held < 0.6 * sum(torch.Size(s).numel() for s in one.local_shapes.values())
 
 
 def test_non_contiguous_expert_map():
