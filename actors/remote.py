@@ -47,7 +47,12 @@ class RoleHandle:
                 pass
             raise RoleError(self.role, self.rank, method, f"did not answer within {timeout_s:.0f} s") from None
         except ray.exceptions.RayActorError as e:
-            raise RoleError(self.role, self.rank, method, f"failed: the actor died ({str(e).splitlines()[0]})") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            if getattr(e, "actor_init_failed", False) and lines:  # the constructor raised: its last line says why
+                why = f"failed: the actor could not start ({lines[-1]})"
+            else:
+                why = f"failed: the actor died ({lines[0] if lines else type(e).__name__})"
+            raise RoleError(self.role, self.rank, method, why) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             raise RoleError(self.role, self.rank, method, f"raised {type(cause).__name__}: "

@@ -13,6 +13,7 @@ bundle and a share of it (`rlhf.placement.actor_options`), so co-located roles f
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -41,7 +42,7 @@ class Roles:
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm_engine import VLLMEngine
         from rlhf.parallel.comm import backend_for
-        from rlhf.placement import actor_options, placement_bundles
+        from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
         p = cfg.placement
         pgs = [placement_group(bundles, strategy="STRICT_PACK") for bundles in placement_bundles(p)]
@@ -62,7 +63,8 @@ class Roles:
                            **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
         rpe = dm.ranks_per_engine
         engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
-                         max_model_len=cfg.model.max_position_embeddings, **slot("rollout", k * rpe))
+                         max_model_len=cfg.model.max_position_embeddings,
+                         cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), **slot("rollout", k * rpe))
                    for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())

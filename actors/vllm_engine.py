@@ -33,12 +33,16 @@ class Completion:
     weight_version: int  # the weights that produced it
 
 
-def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig) -> None:
+def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None) -> None:
     # vLLM logs to stdout by default; our commands keep stdout for their results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
-        if cfg.tp > 1:
+        if cpu_cores:
+            # One core per engine rank, the core of its stand-in device: vLLM's "auto" binding puts every
+            # engine of a machine on core 0 (it reserves the rest), so two engines would share one core.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpu_cores))
+        elif cfg.tp > 1:
             # The default "auto" binding fails with "Not enough allowed NUMA nodes" for TP > 1 on one socket.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tp)))
     elif device_type is DeviceType.npu:
@@ -47,8 +51,9 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig) -> None:
 
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
-                 seed: int = 0, max_model_len: int | None = None):
-        _prepare_platform(device_type, cfg)
+                 seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None):
+        """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to."""
+        _prepare_platform(device_type, cfg, cpu_cores)
         from vllm import LLM
 
         self.cfg = cfg

@@ -4,7 +4,8 @@
         [--batch 8] [--seq 128] [--steps 3] [--layouts single,tp2,dp2,...]
 
 Every layout runs in the same invocation, one after another, on the same random batch (tokens/s
-counts real, unpadded tokens of forward + backward + optimizer step, after one warm-up step). Each
+counts real, unpadded tokens of forward + backward + optimizer step, after one warm-up step; the
+largest rank's resident parameters + AdamW state are reported too, where zero_stage=3 shows). Each
 rank gets 1 thread, so on this 2-core machine layouts of 4 ranks share 2 cores: the numbers show the
 machinery's overhead here, not the speed-up of real devices. Prints one JSON line per layout.
 """
@@ -35,6 +36,8 @@ LAYOUTS = {
     "pp2": (Layout(pp=2), {}),
     "ep4": (Layout(dp=4, ep=4), {}),
     "tp2xep2": (Layout(dp=2, tp=2, ep=2), {}),
+    "dp2_zero3": (Layout(dp=2), {"zero_stage": 3}),
+    "ep4_zero3": (Layout(dp=4, ep=4), {"zero_stage": 3}),
     "ep4_flat_2nodes": (Layout(dp=4, ep=4), {"ranks_per_node": 2}),
     "ep4_hier_2nodes": (Layout(dp=4, ep=4), {"ranks_per_node": 2, "hierarchical_ep": True}),
 }
@@ -54,7 +57,8 @@ def loss_fn(logp, ent, mb):
 
 
 def worker(rank, cfg, layout, model_dir, kw, B, T, steps, micro):
-    tr = ParallelTrainer(cfg, TrainerConfig(lr=1e-4), layout, rank, model_dir, **kw)
+    kw = dict(kw)
+    tr = ParallelTrainer(cfg, TrainerConfig(lr=1e-4, zero_stage=kw.pop("zero_stage", 1)), layout, rank, model_dir, **kw)
     ids, attn = batch(cfg, B, T)
     rows = list(range(layout.coords(rank).dp, B, layout.dp))
     n = float(attn[:, 1:].sum())
@@ -65,7 +69,8 @@ def worker(rank, cfg, layout, model_dir, kw, B, T, steps, micro):
     for _ in range(steps):
         tr.train_step(mbs, loss_fn)
     torch.distributed.barrier()
-    return {"seconds": (time.perf_counter() - t0) / steps, "dispatch": dataclasses.asdict(tr.dispatcher.stats)}
+    return {"seconds": (time.perf_counter() - t0) / steps, "dispatch": dataclasses.asdict(tr.dispatcher.stats),
+            "state_bytes": sum(p.numel() * p.element_size() for p in tr.params.values()) + tr.optimizer.state_bytes()}
 
 
 def main():
@@ -95,7 +100,8 @@ def main():
             tps = tokens / sec
             base = base or tps
             out = {"layout": name, "ranks": layout.world_size, "tokens_per_s": round(tps, 1),
-                   "vs_single": round(tps / base, 3), "step_s": round(sec, 3)}
+                   "vs_single": round(tps / base, 3), "step_s": round(sec, 3),
+                   "params_and_adamw_MB_per_rank": round(max(r["state_bytes"] for r in res) / 2**20, 1)}
             if layout.expert_shards > 1:
                 out["ep_forward_inter_node_bytes"] = sum(r["dispatch"]["forward_inter_node"] for r in res)
                 out["ep_total_inter_node_bytes"] = sum(r["dispatch"]["forward_inter_node"] +

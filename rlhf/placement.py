@@ -455,6 +455,18 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def engine_cpu_cores(dm: DeviceMap, engine: int, cpus_per_node: int) -> list[int] | None:
+    """cpu devices: the core each rank of rollout engine `engine` binds its OpenMP threads to, the core
+    numbered like its stand-in device on its node (vLLM's "auto" binding would put every engine of a
+    machine on core 0). None, leaving vLLM's own binding (measured fastest for one engine), for one
+    engine or other device types."""
+    rollout = dm.devices_of("rollout")
+    if dm.device_type is not DeviceType.cpu or len(rollout) <= dm.ranks_per_engine:
+        return None
+    mine = rollout[engine * dm.ranks_per_engine:(engine + 1) * dm.ranks_per_engine]
+    return [d % dm.devices_per_node % cpus_per_node for d in mine]
+
+
 def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spec=None) -> dict[int, dict[str, int]]:
     """An estimate of the bytes each role rank keeps on its device, per device (see `memory_notes`).
     `trainer_spec` (ranks from 0) and `engine_spec` (ranks from W) are built when not given."""

@@ -138,7 +138,8 @@ def test_ray_job_submit_runs_a_tiny_run(tiny, ray_cluster, tmp_path):
     job_id = f"rlhf-test-{uuid.uuid4().hex[:8]}"
     overrides = [f"model.path={d}", f"data.train_files=[{d / 'train.jsonl'}]",
                  f"data.heldout_files=[{d / 'heldout.jsonl'}]", f"output_dir={out}", f"tracking.dir={out}",
-                 f"checkpoint.dir={out / 'ckpt'}", "steps=2", "eval_every=2", "checkpoint.export_hf=false"]
+                 f"checkpoint.dir={out / 'ckpt'}", "steps=2", "eval_every=2", "checkpoint.export_hf=false",
+                 "trainer.zero_stage=3"]  # the job also runs the row-sharded trainer through the whole loop
     t0 = time.monotonic()
     try:
         # blocks until the job ends and exits non-zero when it failed; .gitignore is not read, so the
@@ -170,6 +171,7 @@ def test_ray_job_submit_runs_a_tiny_run(tiny, ray_cluster, tmp_path):
 
     result = json.loads(logs.strip().splitlines()[-1])  # the run's one JSON line ends the job's log
     assert result["steps"] == 2 and result["steps_run"] == 2 and result["syncs"] == 2
+    assert result["parity_mean_abs_diff_max"] < 1e-5  # engine logprobs match the zero_stage=3 trainer's
     wandb_dir = Path(result["wandb_dir"])
     assert wandb_dir.parent == out / "wandb" and wandb_dir.name.startswith("offline-run-")
     assert list(wandb_dir.glob("run-*.wandb"))

@@ -49,11 +49,23 @@ def test_failures_and_timeouts_name_role_and_rank(ray_session):
         def fail(self):
             raise ValueError("bad input for this role")
 
+    class Broken:
+        def __init__(self, path):
+            raise FileNotFoundError(f"{path}: no model.safetensors")
+
+        def ping(self):
+            return "never"
+
     slow = spawn(Slow, "reward", 3, num_cpus=0)
     with pytest.raises(RoleError, match="reward rank 3: fail raised ValueError: bad input"):
         slow.call("fail")
     with pytest.raises(RoleError, match="reward rank 3: wait did not answer within 1 s"):
         slow.call("wait", 30, timeout_s=1)
+    # a constructor that raises: the driver sees the cause, not Ray's "the actor died" preamble
+    broken = spawn(Broken, "rollout", 1, "/no/such/dir", num_cpus=0)
+    with pytest.raises(RoleError, match=r"rollout rank 1: ping failed: the actor could not start "
+                                        r"\(FileNotFoundError: /no/such/dir: no model.safetensors\)"):
+        broken.call("ping", timeout_s=60)
 
 
 def test_a_failing_rank_is_reported_at_once_while_its_peer_waits(ray_session):

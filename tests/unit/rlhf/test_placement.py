@@ -13,7 +13,7 @@ from rlhf.config.schema import (
     TrainerConfig,
 )
 from rlhf.placement import (
-    ActorSlot, actor_options, device_map, format_devices, memory_estimate, parse_devices, placement_bundles,
+    ActorSlot, actor_options, device_map, engine_cpu_cores, format_devices, memory_estimate, parse_devices, placement_bundles,
     transfer_devices, transfer_topology,
 )
 
@@ -68,6 +68,20 @@ def test_colocated_defaults_start_every_role_at_device_0():
     assert roles(dm) == {"trainer": (0, 1), "reference": (0, 1), "rollout": (0, 1), "reward": (0,)}
 
 
+def test_cpu_engines_bind_to_their_devices_cores():
+    """Several engines on cpu: each binds its OpenMP threads to its devices' cores (vLLM's auto binding
+    would put them all on core 0); one engine keeps vLLM's own binding."""
+    assert engine_cpu_cores(device_map(run()), 0, 2) is None
+    dm = device_map(run(rollout=RolloutConfig(num_engines=2), rollout_devices="0-1"))
+    assert [engine_cpu_cores(dm, k, 2) for k in range(2)] == [[0], [1]]
+    p = PlacementConfig(nodes=2, devices_per_node=2)
+    dm = device_map(run(placement=p, rollout=RolloutConfig(num_engines=2, tp=2), rollout_devices="0-3"))
+    assert [engine_cpu_cores(dm, k, 2) for k in range(2)] == [[0, 1], [0, 1]]  # one engine per node
+    cuda = dataclasses.replace(p, device_type=DeviceType.cuda)
+    assert engine_cpu_cores(device_map(run(placement=cuda, rollout=RolloutConfig(num_engines=2), rollout_devices="0-1")),
+                            1, 2) is None
+
+
 def test_reference_only_with_kl_and_on_the_trainers_devices():
     assert "reference" not in device_map(run()).role_names
     dm = device_map(run(kl_coef=0.1, trainer_devices="2-3", placement=PlacementConfig(devices_per_node=4)))
@@ -83,7 +97,7 @@ def test_disaggregated_defaults_trainer_first_then_engines_reward_with_engines()
 
 def test_shipped_tiny_runs_validate():
     dm = device_map(load_run_config(ROOT / "configs/tiny_cpu.yaml"))
-    assert roles(dm) == {"trainer": (0, 1), "rollout": (0,), "reward": (1,)}
+    assert roles(dm) == {"trainer": (0, 1), "rollout": (0, 1), "reward": (1,)}  # one engine per device
     dm = device_map(load_run_config(ROOT / "configs/tiny_cpu_disaggregated.yaml"))
     assert roles(dm) == {"trainer": (0, 1), "rollout": (2,), "reward": (3,)}
 
@@ -237,7 +251,7 @@ def test_cli_plan_prints_the_map_and_ends_with_json(capsys):
     assert "trainer r1 (pp0 dp1 tp0, experts 4-7)" in err and "memory per device (an estimate)" in err
     assert "weight sync plan" in err and "floor" in err
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["devices"] == 2 and result["roles"] == {"trainer": 2, "rollout": 1, "reward": 1}
+    assert result["devices"] == 2 and result["roles"] == {"trainer": 2, "rollout": 2, "reward": 1}
     assert result["memory_max_bytes"] > GIB  # the engine's 1 GiB KV cache
     assert result["bytes_minimal"] > 0 and result["bytes_network"] > 0 and result["floor_seconds"] > 0
     assert "plan_seconds" in result
