@@ -71,6 +71,7 @@ class VLLMEngine:
             # Sampled-token logprobs of the distribution actually sampled (logits / temperature), which is
             # what the trainer scores; at temperature 1 raw and processed agree.
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
+            max_num_seqs=cfg.max_num_seqs or None,
         )
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization

@@ -160,6 +160,9 @@ class RolloutConfig:
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    # Sequences one engine schedules at once (vLLM's max_num_seqs; 0: vLLM's default, 256 per TP rank on
+    # cpu). A step's draw per engine (prompts x group_size) above it runs in several waves.
+    max_num_seqs: int = 0
     # Trainer/engine logprob parity: a step whose max |trainer - engine| logprob difference on the sampled
     # tokens exceeds this is reported (a stale or mis-installed weight shows up at once).
     parity_max_abs: float = 1e-3

@@ -157,6 +157,8 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.lr", t.lr, "must be > 0"))
     if t.lr_warmup_steps < 0:
         p.append(Problem("trainer.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0 (0: no warmup)"))
+    if cfg.rollout.max_num_seqs < 0:
+        p.append(Problem("rollout.max_num_seqs", cfg.rollout.max_num_seqs, "must be >= 0 (0: vLLM's default)"))
     if t.zero_stage not in (1, 3):
         p.append(Problem("trainer.zero_stage", t.zero_stage, "must be 1 (optimizer state sharded) or 3 "
                          "(parameters sharded too, gathered per module on use)"))
