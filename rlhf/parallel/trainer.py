@@ -11,7 +11,6 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -171,7 +170,8 @@ class ParallelTrainer:
 
     def _optimizer_buckets(self) -> dict:
         """Parameters grouped by the ranks holding identical copies of them (their gradient group):
-        each group shares one AdamW state, split over its ranks (ZeRO-1)."""
+        each group shares one AdamW state, split over its ranks (ZeRO-1). Row shards (zero_stage=3)
+        form one bucket this rank steps alone."""
         buckets: dict[str, tuple] = {}
         for name, p in self.params.items():
             if name in self.row_shards:  # zero_stage=3: the row shard is this rank's alone to update
