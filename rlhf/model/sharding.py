@@ -166,16 +166,28 @@ def axis_position(layout: Layout, rank: int, axis: str) -> tuple[int, int]:
     return len(group), group.index(rank)
 
 
+def row_sharded(layout: Layout, rank: int, names) -> dict[str, tuple[str, int, int]]:
+    """zero_stage=3: name -> (axis, group size, this rank's position) for the names of `names` whose rows
+    are split (group size > 1); the others stay whole."""
+    positions = {axis: axis_position(layout, rank, axis) for axis in ("dp", "expert_replica")}
+    out = {}
+    for name in names:
+        axis = zero3_axis(name)
+        if axis and positions[axis][0] > 1:
+            out[name] = (axis, *positions[axis])
+    return out
+
+
 def _narrow_rows(buffers: dict[str, Shape], pieces, layout: Layout, rank: int):
     """zero_stage=3: keep rows [lo, hi) of each row-sharded buffer and the parts of pieces inside them."""
     ranges: dict[str, tuple[int, int]] = {}
     out_buffers: dict[str, Shape] = {}
+    split = row_sharded(layout, rank, buffers)
     for name, shape in buffers.items():
-        axis = zero3_axis(name)
-        n, i = axis_position(layout, rank, axis) if axis else (1, 0)
-        if n == 1:
+        if name not in split:
             out_buffers[name] = shape
             continue
+        _, n, i = split[name]
         ranges[name] = lo, hi = shard_rows(shape[0], n, i)
         out_buffers[name] = (hi - lo,) + tuple(shape[1:])
     out_pieces = []

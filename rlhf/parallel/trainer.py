@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from rlhf.config.schema import ModelConfig, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import Split, TrainerSharding, axis_position, rank_sharding, split_of, zero3_axis
+from rlhf.model.sharding import Split, TrainerSharding, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.optim import ShardedAdamW
@@ -97,13 +97,9 @@ class ParallelTrainer:
     def _shard_parameters(self, stage_split) -> None:
         """zero_stage=3: the loaded row shards become parameters gathered by each unit's forward."""
         full = rank_sharding(self.cfg, self.layout, self.rank, self.expert_map, stage_split).local_shapes
-        axis_of = {}
-        for name in self.sharding.local_shapes:
-            axis = zero3_axis(name)
-            n, i = axis_position(self.layout, self.rank, axis) if axis else (1, 0)
-            if n > 1:
-                self.row_shards[name] = RowShard(tuple(full[name]), n, i)
-                axis_of[name] = axis
+        split = row_sharded(self.layout, self.rank, self.sharding.local_shapes)
+        self.row_shards.update({name: RowShard(tuple(full[name]), n, i) for name, (_, n, i) in split.items()})
+        axis_of = {name: axis for name, (axis, _, _) in split.items()}
         self.zero3_params = shard_parameters(self.model, self.row_shards,
                                              {"dp": self.groups.dp, "expert_replica": self.groups.expert_replica},
                                              axis_of)
