@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> dict:
 
         out = {"src": f"trainer {src_layout}", "dst": f"engines {dst_layout}", "model": cfg.name,
                "dst_rank_offset": args.dst_rank_offset}
-        return out | run_real(cfg, src_layout, dst_layout, args.dst_rank_offset, args.bucket_mb << 20, args.repeats,
-                                 not args.no_checksum)
+        return out | run_real(cfg, src_layout, dst_layout, args.dst_rank_offset, args.bucket_mb << 20, args.repeats)
     topology = parse_topology(args.topology)
     t0 = time.perf_counter()
     src = trainer_shard_spec(cfg, src_layout)
@@ -86,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_sync.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--simulate", action="store_true", help="plan only and report the floor at the topology's bandwidth")
     parser.add_argument("--bucket-mb", type=int, default=32, help="bucket size of the real run (MiB)")
-    parser.add_argument("--no-checksum", action="store_true", help="real run without the per-transfer checksum")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of the real run (best is kept)")
     parser.add_argument("--topology", default="cm384", help="cm384 or single_node:N")
     parser.add_argument("--model", required=True, help="model YAML, e.g. configs/model/pangu_ultra_moe_718b.yaml")

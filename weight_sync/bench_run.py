@@ -4,18 +4,19 @@ processes on this machine, beside its floor and the gather-then-broadcast baseli
 One process per rank of the transfer world (trainer ranks 0..N-1; engine ranks from the offset, so
 offset 0 co-locates them with the first trainer ranks). Each process builds the same seeded model,
 holds its trainer shards (`local_tensors`) and its engine buffers (engine spec, NaN-filled so that
-untouched padding is visible), and times, after a warm-up, the best of `repeats` runs of:
-- `sync`: `run_plan` (bucketed point-to-point, checksum on);
+untouched padding is visible), and times side by side, after a warm-up, the best of `repeats` runs of:
+- `sync`: `run_plan` (bucketed point-to-point, checksum on), and the same without the checksum;
 - `floor`: one contiguous buffer per (src, dst) pair with exactly the plan's network bytes, isend /
   irecv all at once, no slicing, no copy-in: what the transport itself costs on these processes;
 - `baseline`: what verl / slime / OpenRLHF do: every tensor gathered whole on rank 0 from one owner
   of each region, broadcast to every rank in buckets, and each engine rank slicing its part.
-Then checks every engine buffer against the reference bit for bit.
+Every engine buffer is checked against the reference bit for bit after a sync and after a baseline run.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,16 +31,20 @@ from weight_sync.p2p import run_plan
 from weight_sync.plan import Plan, Topology, plan_reshard
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
+def _timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best over `repeats` of each function's slowest rank, the functions run side by side in every
+    repeat (this machine's speed drifts between runs), after one warm-up of each."""
+    for fn in fns.values():
         fn()
-        elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        best = min(best, float(elapsed))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            best[name] = min(best[name], float(elapsed))
     return best
 
 
@@ -108,7 +113,7 @@ def _numel(shape) -> int:
 
 
 def worker(rank: int, cfg: ModelConfig, src_layout: Layout, dst_layout: InferenceLayout, offset: int, world: int,
-           bucket_bytes: int, repeats: int, verify: bool = True) -> dict:
+           bucket_bytes: int, repeats: int) -> dict:
     dtype = torch_dtype(cfg)
     model = Qwen3MoeForCausalLM(cfg)
     model.init_weights(seed=0)
@@ -123,19 +128,25 @@ def worker(rank: int, cfg: ModelConfig, src_layout: Layout, dst_layout: Inferenc
     pieces = mine.pieces if mine else ()
     del full  # from here on each process holds only its shards, as a real trainer and engine do
 
-    seconds = _timed(lambda: run_plan(plan, rank, src, dst, dtype, bucket_bytes=bucket_bytes, verify=verify),
-                     repeats)
+    def nan():
+        for t in dst.values():
+            t.fill_(float("nan"))
+
+    run_plan(plan, rank, src, dst, dtype, bucket_bytes=bucket_bytes, verify=True)
     exact = _check(cfg, pieces, dst)
-    floor = _timed(lambda: _raw_exchange(plan, rank, dtype), repeats)
-    for t in dst.values():
-        t.fill_(float("nan"))
-    baseline = _timed(lambda: _baseline(src_spec.shapes(), src_spec, pieces, rank, src, dst, dtype, bucket_bytes),
-                      repeats)
-    exact_baseline = _check(cfg, pieces, dst)
-    flag = torch.tensor(int(exact and exact_baseline))
+    nan()
+    _baseline(src_spec.shapes(), src_spec, pieces, rank, src, dst, dtype, bucket_bytes)
+    exact &= _check(cfg, pieces, dst)
+    flag = torch.tensor(int(exact))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return {"seconds": seconds, "floor_seconds": floor, "baseline_seconds": baseline, "exact": bool(flag),
-            "plan": plan}
+    times = _timed({
+        "seconds": lambda: run_plan(plan, rank, src, dst, dtype, bucket_bytes=bucket_bytes, verify=True),
+        "seconds_no_checksum": lambda: run_plan(plan, rank, src, dst, dtype, bucket_bytes=bucket_bytes, verify=False),
+        "floor_seconds": lambda: _raw_exchange(plan, rank, dtype),
+        "baseline_seconds": lambda: _baseline(src_spec.shapes(), src_spec, pieces, rank, src, dst, dtype,
+                                              bucket_bytes),
+    }, repeats)
+    return times | {"exact": bool(flag), "plan": plan}
 
 
 def _check(cfg: ModelConfig, pieces, dst) -> bool:
@@ -146,18 +157,19 @@ def _check(cfg: ModelConfig, pieces, dst) -> bool:
 
 
 def run_real(cfg: ModelConfig, src_layout: Layout, dst_layout: InferenceLayout, offset: int,
-             bucket_bytes: int = 32 << 20, repeats: int = 3, verify: bool = True) -> dict:
+             bucket_bytes: int = 32 << 20, repeats: int = 3) -> dict:
     from rlhf.parallel.launch import run_ranks
 
     world = max(src_layout.world_size, offset + dst_layout.world_size)
-    res = run_ranks(worker, world, cfg, src_layout, dst_layout, offset, world, bucket_bytes, repeats, verify,
+    res = run_ranks(worker, world, cfg, src_layout, dst_layout, offset, world, bucket_bytes, repeats,
                     timeout_s=3600, collective_timeout_s=600)
     plan = res[0]["plan"]
     r0 = res[0]
     return {"bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
             "bytes_local": plan.bytes_local, "seconds": round(r0["seconds"], 4),
+            "seconds_no_checksum": round(r0["seconds_no_checksum"], 4),
             "floor_seconds": round(r0["floor_seconds"], 4), "baseline_seconds": round(r0["baseline_seconds"], 4),
-            "exact": r0["exact"], "processes": world, "checksum": verify,
+            "exact": r0["exact"], "processes": world,
             "gb_per_s": round(plan.bytes_network / r0["seconds"] / 1e9, 3),
             "seconds_over_floor": round(r0["seconds"] / r0["floor_seconds"], 2) if r0["floor_seconds"] else None,
             "speedup_vs_baseline": round(r0["baseline_seconds"] / r0["seconds"], 2)}

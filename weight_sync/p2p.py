@@ -7,10 +7,11 @@ until `bucket_bytes`. Buckets go in rounds; round r + 1 is posted (packed, isend
 round r is copied into the destination buffers, so transport and copy-in overlap and at most two
 rounds of buckets are alive. Transfers inside one rank are plain copies.
 
-Checksum: the sender computes, per transfer, `region_checksum` of the region it packed (block sums of
-the bytes as int64 words, weighted by odd block numbers); the receiver computes the same over the
-region *after* copying it into its destination buffer, and raises naming the tensor and ranks when
-they differ. It reads the bytes once more on each side at memory speed, cheap enough for every sync.
+Checksum: the sender computes `bucket_checksum` of every bucket as it leaves (one int64 sum per 4 KiB
+block of its bytes), the receiver the same of the bucket as it arrived, before copying it in; at the
+end each sender sends its sums to its receivers (8 bytes per 4 KiB), which compare and raise naming
+the tensors of the first differing block and both ranks. One vectorized pass over each bucket on
+each side (about 20 GB/s on one core here), whatever the number of transfers in it.
 
 Pairs the caller declares to share a device (`same_device`: co-located roles in different processes)
 move their buckets through shared memory instead (`weight_sync.shm`: /dev/shm on CPU, IPC handles on
@@ -48,23 +49,30 @@ class SyncStats:
     checked_transfers: int = 0
 
 
-_BLOCK = 4096  # 8-byte words per checksum block
+_BLOCK = 512  # 8-byte words per checksum block (4 KiB)
 
 
-def region_checksum(t: torch.Tensor) -> int:
-    """sum over blocks of (2k + 1) * (sum of the block's 8-byte words), int64 wrapping. Any single flipped
-    bit changes it (odd * 2^b is never 0 mod 2^64), and so does data landing in the wrong block. Runs at
-    memory speed (native int64 adds), unlike an element-weighted or CRC pass."""
-    b = t.contiguous().view(torch.uint8).reshape(-1)
+def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Block sums of a packed bucket (contiguous, 1-D): the int64 (wrapping) sum of each full 4 KiB block
+    of its bytes read as 8-byte words, then of the remaining words, then of the remaining bytes. Any
+    single flipped bit changes its block's sum (+-2^b is never 0 mod 2^64), and comparing block by block
+    locates the damage to 4 KiB. One pass at memory speed, on the bucket's device."""
+    b = flat.reshape(-1).view(torch.uint8)
+    if b.data_ptr() % 8:  # a view into a larger buffer (a single-region bucket sent in place)
+        b = b.clone()
     n8 = b.numel() // 8 * 8
     words = b[:n8].view(torch.int64)
     nb = words.numel() // _BLOCK
-    total = 0
-    if nb:
-        sums = words[: nb * _BLOCK].view(nb, _BLOCK).sum(1)
-        total = int((sums * torch.arange(1, 2 * nb + 1, 2, dtype=torch.int64, device=sums.device)).sum())
-    rest = words[nb * _BLOCK:].sum() * (2 * nb + 1) + (b[n8:].to(torch.int64) * (2 * nb + 3)).sum()
-    return (total + int(rest)) & 0xFFFFFFFFFFFFFFFF
+    return torch.cat([words[: nb * _BLOCK].view(nb, _BLOCK).sum(1),
+                      torch.stack([words[nb * _BLOCK:].sum(), b[n8:].to(torch.int64).sum()])])
+
+
+def _block_bytes(i: int, nbytes: int) -> tuple[int, int]:
+    """Byte range of a bucket that entry `i` of its `bucket_checksum` covers."""
+    nb, n8 = nbytes // (8 * _BLOCK), nbytes // 8 * 8
+    if i < nb:
+        return i * 8 * _BLOCK, (i + 1) * 8 * _BLOCK
+    return (nb * 8 * _BLOCK, n8) if i == nb else (n8, nbytes)
 
 
 def _buckets(transfers: tuple[Transfer, ...], elem_bytes: int, bucket_bytes: int) -> list[list[Transfer]]:
@@ -88,29 +96,21 @@ def _irecv(buf: torch.Tensor, peer: int, group, tag: int = 0):
     return dist.irecv(buf, src=peer, tag=tag) if group is None else group.recv([buf], peer, tag)
 
 
-def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch.Tensor], verify: bool,
-             sums: list[tuple[Transfer, int]]) -> None:
-    """Copy a bucket's regions from `flat` into the destination buffers; checksum each region after."""
+def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
+    """Copy a bucket's regions from `flat` into the destination buffers."""
     offset = 0
     for t in bucket:
         region = dst[t.dst_buffer][t.dst_slices()]
         region.copy_(flat[offset:offset + t.numel].view(region.shape))
         offset += t.numel
-        if verify:
-            sums.append((t, region_checksum(region)))
 
 
-def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: torch.Tensor, verify: bool,
-               sums: list[int]) -> None:
-    """Copy a bucket's source regions into `flat` back to back; checksum each packed (contiguous) copy, which
-    holds the source region's bytes and needs no extra copy to be read."""
+def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a bucket's source regions into `flat` back to back."""
     offset = 0
     for t in bucket:
-        part = flat[offset:offset + t.numel]
-        part.view(t.shape).copy_(src[t.src_buffer][t.src_slices()])
+        flat[offset:offset + t.numel].view(t.shape).copy_(src[t.src_buffer][t.src_slices()])
         offset += t.numel
-        if verify:
-            sums.append(region_checksum(part))
 
 
 def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None,
@@ -138,7 +138,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         elif d == rank:
             (shm_in if (s, d) in shared else incoming)[s] = _buckets(transfers, elem, bucket_bytes)
     rounds = max([len(b) for paths in (outgoing, incoming, shm_out, shm_in) for b in paths.values()], default=0)
-    sent_sums: dict[int, list[int]] = {d: [] for d in (*outgoing, *shm_out)}
+    sent_sums: dict[int, list[torch.Tensor]] = {d: [] for d in (*outgoing, *shm_out)}
     pending_sends: list = []
     transport = _shm_transport(rank, group, src, shm_out, shm_in, elem)
 
@@ -151,21 +151,24 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         for d, buckets in outgoing.items():
             if r < len(buckets):
                 parts = [src[t.src_buffer][t.src_slices()].reshape(-1) for t in buckets[r]]
-                if verify:
-                    sent_sums[d] += [region_checksum(p) for p in parts]
                 buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                if verify:
+                    sent_sums[d].append(bucket_checksum(buf))
                 pending_sends.append((_isend(buf, d, group), buf))
                 stats.bytes_sent += buf.numel() * elem
                 stats.buckets_sent += 1
         for d, buckets in shm_out.items():  # packed straight into the shared slot, once the peer freed it
             if r < len(buckets):
                 n = sum(t.numel for t in buckets[r])
-                _pack_into(buckets[r], src, transport.slot(d, r, n * elem, dtype), verify, sent_sums[d])
+                slot = transport.slot(d, r, n * elem, dtype)
+                _pack_into(buckets[r], src, slot)
+                if verify:
+                    sent_sums[d].append(bucket_checksum(slot))
                 transport.ready(d, r)
                 stats.bytes_shm_sent += n * elem
         return recvs
 
-    received_sums: dict[int, list[tuple[Transfer, int]]] = {s: [] for s in (*incoming, *shm_in)}
+    received_sums: dict[int, list[tuple[list[Transfer], torch.Tensor]]] = {s: [] for s in (*incoming, *shm_in)}
     with transport:
         inflight = post(0) if rounds else {}
         for r in range(rounds):
@@ -174,7 +177,9 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 work.wait()
                 if fault_injector is not None:
                     fault_injector(s, buf)
-                _copy_in(bucket, buf, dst, verify, received_sums[s])
+                if verify:
+                    received_sums[s].append((bucket, bucket_checksum(buf)))
+                _copy_in(bucket, buf, dst)
                 stats.bytes_received += buf.numel() * elem
             for s, buckets in shm_in.items():
                 if r < len(buckets):
@@ -182,7 +187,9 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                     flat = transport.wait(s, r, n * elem, dtype)
                     if fault_injector is not None:
                         fault_injector(s, flat)
-                    _copy_in(buckets[r], flat, dst, verify, received_sums[s])
+                    if verify:
+                        received_sums[s].append((buckets[r], bucket_checksum(flat)))
+                    _copy_in(buckets[r], flat, dst)
                     transport.done(s, r)
                     stats.bytes_shm += n * elem
             inflight = nxt
@@ -190,8 +197,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     for work, _ in pending_sends:
         work.wait()
     if verify:
-        _compare_checksums(rank, sent_sums, received_sums, group, via_shm=set(shm_in))
-        stats.checked_transfers = sum(len(v) for v in received_sums.values())
+        _compare_checksums(rank, sent_sums, received_sums, elem, group, via_shm=set(shm_in))
+        stats.checked_transfers = sum(len(b) for v in received_sums.values() for b, _ in v)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -227,23 +234,45 @@ def _shm_transport(rank: int, group, src, shm_out: dict, shm_in: dict, elem: int
     return ShmTransport(rank, group, outgoing, {s: len(buckets) for s, buckets in shm_in.items()})
 
 
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _compare_checksums(rank: int, sent: dict[int, list[int]], received: dict[int, list[tuple[Transfer, int]]],
-                       group, via_shm: Collection[int] = ()) -> None:
-    works = [_isend(torch.tensor([_signed(x) for x in sums], dtype=torch.int64), d, group) for d, sums in sent.items()]
-    bad = []
+def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
+                       received: dict[int, list[tuple[list[Transfer], torch.Tensor]]], elem: int, group,
+                       via_shm: Collection[int] = ()) -> None:
+    """Each sender sends its buckets' block sums to the receiver, which compares them with its own and
+    raises naming the regions in the first differing block."""
+    works = [_isend(torch.cat(sums).cpu(), d, group) for d, sums in sent.items()]
+    first, blocks = None, 0
     for s, got in received.items():
-        want = torch.empty(len(got), dtype=torch.int64)
+        mine = torch.cat([sums for _, sums in got]).cpu()
+        want = torch.empty_like(mine)
         _irecv(want, s, group).wait()
-        bad += [(t, s) for (t, value), w in zip(got, want.tolist()) if value != w & 0xFFFFFFFFFFFFFFFF]
+        bad = (mine != want).nonzero().flatten()
+        if bad.numel():
+            blocks += bad.numel()
+            first = first or (s, _regions_at(got, int(bad[0]), elem))
     for w in works:
         w.wait()
-    if bad:
-        t, s = bad[0]
+    if first:
+        s, regions = first
+        named = "; ".join(f"{t.param} region {t.box} in buffer {t.dst_buffer!r}" for t in regions[:4])
+        more = f" and {len(regions) - 4} more" if len(regions) > 4 else ""
         raise ChecksumMismatch(
-            f"weight sync: {t.param} region {t.box} in rank {rank} buffer {t.dst_buffer!r} differs from what rank "
-            f"{s} sent{' through shared memory' if s in via_shm else ''} ({len(bad)} region(s) differ); the "
+            f"weight sync: {named}{more} on rank {rank} differs from what rank {s} sent"
+            f"{' through shared memory' if s in via_shm else ''} ({blocks} block(s) of 4 KiB differ); the "
             f"destination does not hold the trainer's weights")
+
+
+def _regions_at(received: list[tuple[list[Transfer], torch.Tensor]], index: int, elem: int) -> list[Transfer]:
+    """The transfers whose bytes lie in entry `index` of a peer's concatenated bucket checksums."""
+    for bucket, sums in received:
+        if index >= sums.numel():
+            index -= sums.numel()
+            continue
+        lo, hi = _block_bytes(index, sum(t.numel for t in bucket) * elem)
+        out, offset = [], 0
+        for t in bucket:
+            end = offset + t.numel * elem
+            if offset < hi and end > lo:
+                out.append(t)
+            offset = end
+        return out
+    return []

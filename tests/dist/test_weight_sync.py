@@ -78,5 +78,20 @@ def test_p2p_reshard_is_exact(name):
 def test_checksum_names_the_corrupted_tensor_and_ranks():
     src_layout, emap, dst_layout, offset, world = CASES["disaggregated tp2 -> tp2"]
     results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 1 << 20, (3, 1), timeout_s=180)
-    assert "mismatch" in results[3] and "differs from what rank 1 sent" in results[3]["mismatch"]
+    msg = results[3]["mismatch"]
+    assert "on rank 3 differs from what rank 1 sent (1 block(s) of 4 KiB differ)" in msg
     assert all("mismatch" not in r for r in results[:3])
+    # the flipped float is element n // 2 of the pair's single bucket: its tensor and region are named
+    plan = plan_reshard(trainer_shard_spec(CFG, src_layout), engine_shard_spec(CFG, dst_layout, rank_offset=offset),
+                        Topology.single_node(world))
+    transfers = dict(plan.pairs)[(1, 3)]
+    n = sum(t.numel for t in transfers)
+    assert n * 4 <= 1 << 20
+    start = 0
+    for t in transfers:
+        if start <= n // 2 < start + t.numel:
+            assert f"{t.param} region {t.box} in buffer {t.dst_buffer!r}" in msg
+            break
+        start += t.numel
+    else:
+        raise AssertionError("flipped element outside the bucket")

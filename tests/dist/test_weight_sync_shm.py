@@ -115,7 +115,7 @@ def test_corrupted_shared_bucket_is_caught_and_named():
                         timeout_s=240)
     assert ours() <= before
     msg = results[3]["mismatch"]
-    assert "differs from what rank 1 sent through shared memory" in msg and "in rank 3 buffer" in msg
+    assert "on rank 3 differs from what rank 1 sent through shared memory" in msg and "in buffer" in msg
     assert msg.startswith("weight sync: model.") or msg.startswith("weight sync: lm_head")  # names the tensor
     assert all("mismatch" not in r for r in results[:3])
     assert [len(r["syncs"]) for r in results] == [2, 2, 2, 1]
