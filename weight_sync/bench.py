@@ -7,7 +7,8 @@
 `--src` is a training `Layout`, `--dst` an `InferenceLayout`, both as key=value lists. Engine ranks are
 numbered from `--dst-rank-offset` (default 0: engines co-located with the first trainer ranks, which
 makes their shared tensors local copies). `--simulate` plans only and reports the floor (the busiest
-rank's network bytes over its link) as the simulated time. Without it the plan runs over real gloo
+rank's network bytes over its link) as the simulated time, and as `baseline_seconds` the least any
+gather-then-broadcast sync takes there: every engine rank receiving the whole model over its link. Without it the plan runs over real gloo
 processes on this machine (one per rank of the transfer world), timed beside its measured floor and
 the gather-then-broadcast baseline (`weight_sync.bench_run`):
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -75,9 +77,13 @@ def run(args: argparse.Namespace) -> dict:
     plan = plan_reshard(src, dst, topology)
     t2 = time.perf_counter()
     out = plan.summary(topology)
+    # gather-then-broadcast at its best: every engine rank receives every tensor whole once over its link
+    model_bytes = sum(math.prod(shape) for shape in dst.shapes().values()) * plan.dtype_bytes
+    baseline = model_bytes / topology.link_bytes_per_s
     out |= {"model": cfg.name, "topology": topology.name, "dst_rank_offset": args.dst_rank_offset,
-            "simulated_seconds": out["floor_seconds"], "plan_seconds": round(t2 - t1, 3),
-            "spec_seconds": round(t1 - t0, 3)}
+            "simulated_seconds": out["floor_seconds"], "baseline_seconds": baseline,
+            "speedup_vs_baseline": round(baseline / out["floor_seconds"], 2) if out["floor_seconds"] else None,
+            "plan_seconds": round(t2 - t1, 3), "spec_seconds": round(t1 - t0, 3)}
     return out
 
 

@@ -44,48 +44,58 @@ class SyncStats:
     bytes_local: int = 0
     bytes_shm: int = 0  # received through shared memory (same-device pairs); not in bytes_received
     bytes_shm_sent: int = 0  # sent through shared memory; not in bytes_sent
+    bytes_in_place: int = 0  # of bytes_received, received straight into the destination buffer (no copy-in)
     buckets_sent: int = 0
     seconds: float = 0.0
     checked_transfers: int = 0
 
 
-_BLOCK = 512  # 8-byte words per checksum block (4 KiB)
+_BLOCK_BYTES = 4096  # checksum block
 
 
 def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
-    """Block sums of a packed bucket (contiguous, 1-D): the int64 (wrapping) sum of each full 4 KiB block
-    of its bytes read as 8-byte words, then of the remaining words, then of the remaining bytes. Any
-    single flipped bit changes its block's sum (+-2^b is never 0 mod 2^64), and comparing block by block
-    locates the damage to 4 KiB. One pass at memory speed, on the bucket's device."""
+    """Block sums of a packed bucket (contiguous): the int64 (wrapping) sum of each full 4 KiB block of
+    its bytes read as 8-byte words, then, when the size is not a multiple of 4 KiB, of the remaining
+    words and of the remaining bytes. Any single flipped bit changes its block's sum (+-2^b is never
+    0 mod 2^64), and comparing block by block locates the damage to 4 KiB. One pass at memory speed, on
+    the bucket's device."""
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes % _BLOCK_BYTES == 0 and flat.data_ptr() % 8 == 0:  # the common case, in one reduction
+        return flat.view(-1).view(torch.int64).view(-1, _BLOCK_BYTES // 8).sum(1)
     b = flat.reshape(-1).view(torch.uint8)
     if b.data_ptr() % 8:  # a view into a larger buffer (a single-region bucket sent in place)
         b = b.clone()
-    n8 = b.numel() // 8 * 8
-    words = b[:n8].view(torch.int64)
-    nb = words.numel() // _BLOCK
-    return torch.cat([words[: nb * _BLOCK].view(nb, _BLOCK).sum(1),
-                      torch.stack([words[nb * _BLOCK:].sum(), b[n8:].to(torch.int64).sum()])])
+    full, n8 = nbytes // _BLOCK_BYTES * _BLOCK_BYTES, nbytes // 8 * 8
+    return torch.cat([b[:full].view(torch.int64).view(-1, _BLOCK_BYTES // 8).sum(1),
+                      b[full:n8].view(torch.int64).sum().view(1), b[n8:].to(torch.int64).sum().view(1)])
 
 
 def _block_bytes(i: int, nbytes: int) -> tuple[int, int]:
     """Byte range of a bucket that entry `i` of its `bucket_checksum` covers."""
-    nb, n8 = nbytes // (8 * _BLOCK), nbytes // 8 * 8
+    nb, n8 = nbytes // _BLOCK_BYTES, nbytes // 8 * 8
     if i < nb:
-        return i * 8 * _BLOCK, (i + 1) * 8 * _BLOCK
-    return (nb * 8 * _BLOCK, n8) if i == nb else (n8, nbytes)
+        return i * _BLOCK_BYTES, (i + 1) * _BLOCK_BYTES
+    return (nb * _BLOCK_BYTES, n8) if i == nb else (n8, nbytes)
 
 
-def _buckets(transfers: tuple[Transfer, ...], elem_bytes: int, bucket_bytes: int) -> list[list[Transfer]]:
-    out: list[list[Transfer]] = [[]]
-    size = 0
+def _buckets(transfers: tuple[Transfer, ...], elem_bytes: int, bucket_bytes: int,
+             alone_bytes: float = float("inf")) -> list[list[Transfer]]:
+    """Transfers in plan order packed back to back up to `bucket_bytes`; one of `alone_bytes` or more is a
+    bucket of its own (moved in place where its regions are contiguous)."""
+    out: list[list[Transfer]] = []
+    size = bucket_bytes  # no open bucket
     for t in transfers:
         n = t.numel * elem_bytes
-        if out[-1] and size + n > bucket_bytes:
+        if n >= alone_bytes:
+            out.append([t])
+            size = bucket_bytes
+            continue
+        if not out or size + n > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(t)
         size += n
-    return out if out[0] else []
+    return out
 
 
 def _isend(buf: torch.Tensor, peer: int, group, tag: int = 0):
@@ -105,6 +115,14 @@ def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch
         offset += t.numel
 
 
+def _in_place(bucket: list[Transfer], dst: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The destination region of a one-transfer bucket as a flat view, when it is contiguous."""
+    if len(bucket) != 1:
+        return None
+    region = dst[bucket[0].dst_buffer][bucket[0].dst_slices()]
+    return region.view(-1) if region.is_contiguous() else None
+
+
 def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a bucket's source regions into `flat` back to back."""
     offset = 0
@@ -116,12 +134,14 @@ def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: to
 def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None,
              dtype: torch.dtype, group=None, bucket_bytes: int = 32 << 20, verify: bool = True,
              fault_injector: Callable[[int, torch.Tensor], None] | None = None,
-             same_device: Collection[tuple[int, int]] | None = None) -> SyncStats:
+             same_device: Collection[tuple[int, int]] | None = None, alone_bytes: int = 256 << 10) -> SyncStats:
     """Move this rank's part of `plan`. `group`: None for the default torch.distributed group (plan
     ranks are global ranks), or a process group whose ranks are the plan's ranks, used through its own
     send / recv (`weight_sync.group.transfer_group`). `same_device`: pairs of plan ranks (either order)
     on one device, whose transfers go through shared memory (`weight_sync.shm`); every rank must pass
-    the same pairs. `fault_injector(peer, received_bucket)`, for tests only, may alter a received
+    the same pairs. A transfer of `alone_bytes` or more travels as a message of its own, sent straight
+    from its source region and received straight into its destination region where those are
+    contiguous (no packing, no copy-in). `fault_injector(peer, received_bucket)`, for tests only, may alter a received
     bucket (in shared memory too) before it is copied in (the checksum must then catch it)."""
     t0 = time.perf_counter()
     stats = SyncStats()
@@ -134,9 +154,15 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 dst[t.dst_buffer][t.dst_slices()].copy_(src[t.src_buffer][t.src_slices()])
                 stats.bytes_local += t.numel * elem
         elif s == rank:
-            (shm_out if (s, d) in shared else outgoing)[d] = _buckets(transfers, elem, bucket_bytes)
+            if (s, d) in shared:
+                shm_out[d] = _buckets(transfers, elem, bucket_bytes)
+            else:
+                outgoing[d] = _buckets(transfers, elem, bucket_bytes, alone_bytes)
         elif d == rank:
-            (shm_in if (s, d) in shared else incoming)[s] = _buckets(transfers, elem, bucket_bytes)
+            if (s, d) in shared:
+                shm_in[s] = _buckets(transfers, elem, bucket_bytes)
+            else:
+                incoming[s] = _buckets(transfers, elem, bucket_bytes, alone_bytes)
     rounds = max([len(b) for paths in (outgoing, incoming, shm_out, shm_in) for b in paths.values()], default=0)
     sent_sums: dict[int, list[torch.Tensor]] = {d: [] for d in (*outgoing, *shm_out)}
     pending_sends: list = []
@@ -146,8 +172,12 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         recvs = {}
         for s, buckets in incoming.items():
             if r < len(buckets):
-                buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype)
-                recvs[s] = (_irecv(buf, s, group), buf, buckets[r])
+                buf = _in_place(buckets[r], dst)
+                in_place = buf is not None
+                if not in_place:
+                    buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype,
+                                      device=dst[buckets[r][0].dst_buffer].device)
+                recvs[s] = (_irecv(buf, s, group), buf, buckets[r], in_place)
         for d, buckets in outgoing.items():
             if r < len(buckets):
                 parts = [src[t.src_buffer][t.src_slices()].reshape(-1) for t in buckets[r]]
@@ -173,13 +203,16 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         inflight = post(0) if rounds else {}
         for r in range(rounds):
             nxt = post(r + 1) if r + 1 < rounds else {}
-            for s, (work, buf, bucket) in inflight.items():
+            for s, (work, buf, bucket, in_place) in inflight.items():
                 work.wait()
                 if fault_injector is not None:
                     fault_injector(s, buf)
                 if verify:
                     received_sums[s].append((bucket, bucket_checksum(buf)))
-                _copy_in(bucket, buf, dst)
+                if in_place:
+                    stats.bytes_in_place += buf.numel() * elem
+                else:
+                    _copy_in(bucket, buf, dst)
                 stats.bytes_received += buf.numel() * elem
             for s, buckets in shm_in.items():
                 if r < len(buckets):
@@ -239,10 +272,10 @@ def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
                        via_shm: Collection[int] = ()) -> None:
     """Each sender sends its buckets' block sums to the receiver, which compares them with its own and
     raises naming the regions in the first differing block."""
-    works = [_isend(torch.cat(sums).cpu(), d, group) for d, sums in sent.items()]
+    works = [_isend(torch.cat(sums), d, group) for d, sums in sent.items()]  # on the data's device, as the data
     first, blocks = None, 0
     for s, got in received.items():
-        mine = torch.cat([sums for _, sums in got]).cpu()
+        mine = torch.cat([sums for _, sums in got])
         want = torch.empty_like(mine)
         _irecv(want, s, group).wait()
         bad = (mine != want).nonzero().flatten()

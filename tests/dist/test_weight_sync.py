@@ -24,7 +24,7 @@ def full_tensors():
     return dict(to_hf_tensors(m.state_dict(), CFG))
 
 
-def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip, zero_stage=1):
+def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip, zero_stage=1, alone_bytes=256 << 10):
     full = full_tensors()
     src_spec = trainer_shard_spec(CFG, src_layout, emap, zero_stage=zero_stage)
     dst_spec = engine_shard_spec(CFG, dst_layout, rank_offset=offset)
@@ -39,7 +39,8 @@ def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip
             buf.view(torch.int32)[buf.numel() // 2] ^= 1 << 4
 
     try:
-        stats = run_plan(plan, rank, src, dst, torch.float32, bucket_bytes=bucket_bytes, fault_injector=fault)
+        stats = run_plan(plan, rank, src, dst, torch.float32, bucket_bytes=bucket_bytes, fault_injector=fault,
+                         alone_bytes=alone_bytes)
     except ChecksumMismatch as e:
         return {"mismatch": str(e)}
     exact = True
@@ -64,13 +65,16 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_p2p_reshard_is_exact(name):
-    src_layout, emap, dst_layout, offset, world, *zero = CASES[name]
-    results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 4096, None, *zero, timeout_s=180)
+    """4 KiB buckets; transfers of 2 KiB or more travel alone, in place where their regions are contiguous."""
+    src_layout, emap, dst_layout, offset, world, zero = (*CASES[name], 1)[:6]
+    results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 4096, None, zero, 2048,
+                        timeout_s=180)
     assert all(r["exact"] for r in results)
-    if zero:  # every trainer rank sends: the row shards have one owner each
+    if zero == 3:  # every trainer rank sends: the row shards have one owner each
         assert all(r["stats"].bytes_sent + r["stats"].bytes_local > 0 for r in results[:src_layout.world_size])
     minimal, network, local = results[0]["plan"]
-    assert sum(r["stats"].bytes_received for r in results) == network
+    received = sum(r["stats"].bytes_received for r in results)
+    assert received == network and 0 < sum(r["stats"].bytes_in_place for r in results) <= received
     assert sum(r["stats"].bytes_local for r in results) == local and network + local == minimal
     assert sum(r["stats"].buckets_sent for r in results) > len({r["stats"].bytes_sent for r in results})  # bucketed
 
@@ -95,3 +99,17 @@ def test_checksum_names_the_corrupted_tensor_and_ranks():
         start += t.numel
     else:
         raise AssertionError("flipped element outside the bucket")
+
+
+def test_checksum_covers_transfers_received_in_place():
+    """Every transfer a message of its own, received straight into the engine's buffer: a bit flipped in
+    each of rank 1's messages to rank 3 is caught, and the first one named."""
+    src_layout, emap, dst_layout, offset, world = CASES["disaggregated tp2 -> tp2"]
+    results = run_ranks(worker, world, src_layout, emap, dst_layout, offset, world, 1 << 20, (3, 1), 1, 0,
+                        timeout_s=180)
+    plan = plan_reshard(trainer_shard_spec(CFG, src_layout), engine_shard_spec(CFG, dst_layout, rank_offset=offset),
+                        Topology.single_node(world))
+    first = dict(plan.pairs)[(1, 3)][0]
+    msg = results[3]["mismatch"]
+    assert msg.startswith(f"weight sync: {first.param} region {first.box} in buffer {first.dst_buffer!r} on rank 3")
+    assert all("mismatch" not in r for r in results[:3])

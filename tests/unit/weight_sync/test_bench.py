@@ -18,6 +18,14 @@ def test_simulate_prints_one_json_line(capsys):
     out = json.loads(capsys.readouterr().out.strip())
     assert out["bytes_network"] + out["bytes_local"] == out["bytes_minimal"] > 0
     assert out["simulated_seconds"] == out["floor_seconds"] > 0 and out["transfers"] > 0
+    # the baseline: every engine rank receives the whole model (fp32) over a link of 10 GB/s
+    from rlhf.config import load_model_config
+    from rlhf.model.shapes import param_shapes
+    import math
+    model_bytes = 4 * sum(math.prod(s) for s in param_shapes(load_model_config(TINY)).values())
+    assert out["baseline_seconds"] == pytest.approx(model_bytes / 10e9)
+    # tp2 engine ranks each receive half the model: twice as fast as receiving all of it
+    assert out["speedup_vs_baseline"] == pytest.approx(2.0, rel=0.05)
     assert out["src"] == "trainer dp2xep2" and out["dst"] == "engines 1x(tp2)" and out["plan_seconds"] >= 0
 
 
