@@ -8,9 +8,9 @@
 numbered from `--dst-rank-offset` (default 0: engines co-located with the first trainer ranks, which
 makes their shared tensors local copies). `--simulate` plans only and reports the floor (the busiest
 rank's network bytes over its link) as the simulated time, and as `baseline_seconds` the least any
-gather-then-broadcast sync takes there: every engine rank receiving the whole model over its link. Without it the plan runs over real gloo
-processes on this machine (one per rank of the transfer world), timed beside its measured floor and
-the gather-then-broadcast baseline (`weight_sync.bench_run`):
+gather-then-broadcast sync takes there: every engine rank receiving the whole model over its link.
+Without it the plan runs over real gloo processes on this machine (one per rank of the transfer
+world), timed beside its measured floor and the gather-then-broadcast baseline (`weight_sync.bench_run`):
 
     python -m weight_sync.bench --model configs/model/qwen3_moe_small.yaml --src pp=2,tp=2 --dst tp=1,ep=4,engines=1
 """

@@ -5,13 +5,15 @@ ranks, destination buffers on engine ranks, both where roles share a rank). For 
 pair both sides derive the same buckets from the plan: transfers in plan order, packed back to back
 until `bucket_bytes`. Buckets go in rounds; round r + 1 is posted (packed, isend / irecv) before
 round r is copied into the destination buffers, so transport and copy-in overlap and at most two
-rounds of buckets are alive. Transfers inside one rank are plain copies.
+rounds of buckets are alive. A transfer of 256 KiB or more (`alone_bytes`) is a bucket of its own, sent
+from its source region and received into its destination region in place where each is contiguous.
+Transfers inside one rank are plain copies.
 
 Checksum: the sender computes `bucket_checksum` of every bucket as it leaves (one int64 sum per 4 KiB
 block of its bytes), the receiver the same of the bucket as it arrived, before copying it in; at the
 end each sender sends its sums to its receivers (8 bytes per 4 KiB), which compare and raise naming
 the tensors of the first differing block and both ranks. One vectorized pass over each bucket on
-each side (about 20 GB/s on one core here), whatever the number of transfers in it.
+each side (about 16 GB/s on one core here, out of cache), whatever the number of transfers in it.
 
 Pairs the caller declares to share a device (`same_device`: co-located roles in different processes)
 move their buckets through shared memory instead (`weight_sync.shm`: /dev/shm on CPU, IPC handles on
@@ -141,8 +143,9 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     on one device, whose transfers go through shared memory (`weight_sync.shm`); every rank must pass
     the same pairs. A transfer of `alone_bytes` or more travels as a message of its own, sent straight
     from its source region and received straight into its destination region where those are
-    contiguous (no packing, no copy-in). `fault_injector(peer, received_bucket)`, for tests only, may alter a received
-    bucket (in shared memory too) before it is copied in (the checksum must then catch it)."""
+    contiguous (no packing, no copy-in). `fault_injector(peer, received_bucket)`, for tests only, may
+    alter a received bucket (in shared memory too; the destination region itself for a transfer
+    received in place) before it is copied in (the checksum must then catch it)."""
     t0 = time.perf_counter()
     stats = SyncStats()
     elem = torch.empty((), dtype=dtype).element_size()

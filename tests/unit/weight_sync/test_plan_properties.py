@@ -7,8 +7,8 @@ spec, padding untouched; the byte counts add up; replicas are chosen local first
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_configs import gqa, mla
 
-from rlhf.config.schema import Attention, MLAConfig, ModelConfig, RouterScoring
 from rlhf.model.shapes import param_shapes
 from rlhf.model.sharding import local_tensors, rank_sharding
 from weight_sync.apply_local import apply_local
@@ -19,22 +19,6 @@ from weight_sync.spec import ShardSpec
 from rlhf.model.sharding import trainer_shard_spec
 
 SENTINEL = 12345.0  # engine buffers start filled with it; padding rows must keep it
-
-
-def gqa(layers: int, kv_heads: int, experts: int, dense: int, vocab: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=kv_heads, head_dim=2, num_experts=experts, num_experts_per_tok=2,
-                       moe_intermediate_size=4, first_k_dense_layers=dense, intermediate_size=8)
-
-
-def mla(layers: int, q_lora: int, experts: int, dense: int, vocab: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=4, head_dim=4, attention=Attention.mla,
-                       mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
-                                     v_head_dim=2),
-                       num_experts=experts, moe_intermediate_size=4, num_shared_experts=1,
-                       shared_expert_intermediate_size=4, router_scoring=RouterScoring.sigmoid,
-                       first_k_dense_layers=dense, intermediate_size=8, num_mtp_layers=1)
 
 
 @st.composite
