@@ -6,6 +6,11 @@ attention, dense MLPs, shared experts, norms and vocabulary split over its tp ra
 experts are split over all W ranks by an expert map (whole experts, as vLLM's expert parallelism
 does). With ep == 1 every rank holds all experts with the intermediate dim split over tp.
 
+Redundant experts (vLLM's EPLB, `num_redundant_experts`): with R of them an engine holds E + R physical
+experts, (E + R) / ep per rank; physical slot p lives on rank p // ((E + R) / ep) and holds logical
+expert `physical_experts[p]` (vLLM's physical-to-logical map; by default the first R experts twice).
+A logical expert held in several slots is sent to each of them.
+
 Buffers carry vLLM's names and shapes (Qwen3-MoE, per rank; H hidden, N heads, K KV heads, D head dim,
 I expert FFN, Id dense FFN, E experts, V vocabulary):
 
@@ -33,11 +38,11 @@ Engines are independent replicas: engine k's ranks follow engine k-1's, from `ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rlhf.config.schema import Attention, ModelConfig, RouterScoring
 from rlhf.model.shapes import param_shapes
-from weight_sync.layout import check_expert_map, default_expert_map
+from weight_sync.layout import check_expert_map
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
 Shape = tuple[int, ...]
@@ -52,12 +57,19 @@ class InferenceLayout:
     tp: int
     ep: int = 1
     engines: int = 1
+    redundant_experts: int = 0  # vLLM EPLB's num_redundant_experts: extra physical experts per engine
 
     def __post_init__(self):
         for name in ("tp", "ep", "engines"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"inference layout {name}={v!r}: every degree must be an integer >= 1")
+        r = self.redundant_experts
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"inference layout redundant_experts={r!r}: must be an integer >= 0")
+        if r and self.ep == 1:
+            raise ValueError(f"inference layout redundant_experts={r} with ep=1: redundant experts replicate "
+                             f"experts across expert-parallel ranks; set ep > 1 or redundant_experts=0")
         if self.ep > 1 and self.ep % self.tp:
             raise ValueError(f"inference layout tp={self.tp} ep={self.ep}: ep must be 1 or a multiple of tp "
                              f"(ep > tp runs data-parallel attention over ep / tp groups of tp ranks); "
@@ -77,7 +89,8 @@ class InferenceLayout:
         return self.ranks_per_engine // self.tp
 
     def __str__(self) -> str:
-        return f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "") + ")"
+        return (f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "")
+                + (f"r{self.redundant_experts}" if self.redundant_experts else "") + ")")
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -109,7 +122,9 @@ def _check_fits(cfg: ModelConfig, lay: InferenceLayout) -> None:
         I = cfg.moe_intermediate_size
         _need(I % tp == 0, f"tp={tp} must divide moe_intermediate_size={I} (experts split over tp)", lay, cfg)
     else:
-        _need(cfg.num_experts % lay.ep == 0, f"ep={lay.ep} must divide the {cfg.num_experts} experts", lay, cfg)
+        E, R = cfg.num_experts, lay.redundant_experts
+        _need((E + R) % lay.ep == 0, f"ep={lay.ep} must divide the {E} experts" if not R else
+              f"ep={lay.ep} must divide the {E} + {R} redundant = {E + R} physical experts", lay, cfg)
     padded_vocab(cfg.vocab_size, tp)
 
 
@@ -212,8 +227,9 @@ def _vocab(b: _RankBuilder, param: str, V: int, H: int, t: int, tp: int) -> None
 
 
 def _engine_rank(cfg: ModelConfig, shapes: dict[str, Shape], lay: InferenceLayout, i: int,
-                 emap: tuple[int, ...], mtp_layers: int) -> tuple[tuple[tuple[str, Shape], ...], tuple[Piece, ...]]:
-    """Buffers and pieces of rank i (0 <= i < W) of one engine."""
+                 physical: Mapping[int, tuple[int, ...]], mtp_layers: int
+                 ) -> tuple[tuple[tuple[str, Shape], ...], tuple[Piece, ...]]:
+    """Buffers and pieces of rank i (0 <= i < W) of one engine; `physical[l]`: layer l's physical experts."""
     tp, t, H = lay.tp, i % lay.tp, cfg.hidden_size
     L = cfg.num_hidden_layers
     b = _RankBuilder()
@@ -235,7 +251,8 @@ def _engine_rank(cfg: ModelConfig, shapes: dict[str, Shape], lay: InferenceLayou
         if lay.ep == 1:
             _experts(b, cfg, f"{p}.mlp", range(cfg.num_experts), t, tp)
         else:
-            _experts(b, cfg, f"{p}.mlp", [e for e in range(cfg.num_experts) if emap[e] == i], 0, 1)
+            per = len(physical[l]) // lay.ep
+            _experts(b, cfg, f"{p}.mlp", physical[l][i * per:(i + 1) * per], 0, 1)
         if cfg.num_shared_experts:
             _dense_mlp(b, f"{p}.mlp.shared_experts", H,
                        cfg.num_shared_experts * cfg.shared_expert_intermediate_size, t, tp)
@@ -251,26 +268,60 @@ def _is_mtp(name: str, num_hidden_layers: int) -> bool:
 
 
 def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: int = 0,
-                      expert_map: Sequence[int] | None = None, include_mtp: bool = True) -> ShardSpec:
+                      expert_map: Sequence[int] | None = None, include_mtp: bool = True,
+                      physical_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None) -> ShardSpec:
     """The shard spec of all `layout.engines` engines, in HF names; engine k's rank i is
     rank_offset + k * W + i. `expert_map[e]` = the engine rank holding expert e when ep > 1 (default
-    contiguous; equal counts per rank); the same map for every engine. `include_mtp`: the engines hold
+    contiguous; equal counts per rank); the same map for every engine. With redundant experts give
+    `physical_experts` instead: the logical expert in each of the E + R physical slots (vLLM EPLB's
+    physical-to-logical map), one list for every MoE layer or a dict layer -> list (EPLB balances each
+    layer apart); default: experts 0..E-1, then 0..R-1 again. `include_mtp`: the engines hold
     the MTP modules (speculative decoding); without it the spec lists neither their tensors nor pieces."""
     _check_fits(cfg, layout)
-    if layout.ep > 1:
-        emap = default_expert_map(cfg.num_experts, layout.ep) if expert_map is None else tuple(expert_map)
-        check_expert_map(emap, cfg.num_experts, layout.ep)
-    elif expert_map is not None:
-        raise ValueError("expert_map given for an inference layout with ep=1: every rank holds every expert")
-    else:
-        emap = ()
+    mtp = cfg.num_mtp_layers if include_mtp else 0
+    physical = _physical_experts(cfg, layout, expert_map, physical_experts, cfg.num_hidden_layers + mtp)
     shapes = param_shapes(cfg)
     if not include_mtp:
         shapes = {n: s for n, s in shapes.items() if not _is_mtp(n, cfg.num_hidden_layers)}
     W = layout.ranks_per_engine
     # Pieces do not name their rank, so every engine shares one engine's (immutable) buffers and pieces.
-    mtp = cfg.num_mtp_layers if include_mtp else 0
-    per_local = [_engine_rank(cfg, shapes, layout, i, emap, mtp) for i in range(W)]
+    per_local = [_engine_rank(cfg, shapes, layout, i, physical, mtp) for i in range(W)]
     ranks = tuple(RankShards(rank_offset + k * W + i, *per_local[i])
                   for k in range(layout.engines) for i in range(W))
     return ShardSpec(f"engines {layout}", tuple(shapes.items()), ranks, cfg.dtype.value)
+
+
+def _physical_experts(cfg: ModelConfig, lay: InferenceLayout, expert_map: Sequence[int] | None,
+                      physical: Sequence[int] | Mapping[int, Sequence[int]] | None,
+                      layers: int) -> dict[int, tuple[int, ...]]:
+    """Layer -> the logical expert of every physical slot (rank i holds slots i * per .. (i + 1) * per)."""
+    E, R = cfg.num_experts, lay.redundant_experts
+    if lay.ep == 1:
+        if expert_map is not None or physical is not None:
+            raise ValueError("expert_map / physical_experts given for an inference layout with ep=1: every rank "
+                             "holds every expert")
+        return {}
+    if expert_map is not None:
+        if physical is not None or R:
+            raise ValueError("expert_map places each expert on one rank; with redundant experts give "
+                             "physical_experts (the logical expert of each physical slot) instead")
+        check_expert_map(tuple(expert_map), E, lay.ep)
+        slots = tuple(e for i in range(lay.ep) for e in range(E) if expert_map[e] == i)
+    elif physical is None:
+        slots = tuple(range(E)) + tuple(e % E for e in range(R))
+    else:
+        slots = None
+    moe_layers = [l for l in range(layers) if l >= cfg.first_k_dense_layers]
+    if slots is not None:
+        return dict.fromkeys(moe_layers, slots)
+    per_layer = physical if isinstance(physical, Mapping) else dict.fromkeys(moe_layers, physical)
+    if sorted(per_layer) != moe_layers:
+        raise ValueError(f"physical_experts names layers {sorted(per_layer)}; the MoE layers are {moe_layers}")
+    out = {}
+    for l, m in per_layer.items():
+        m = tuple(m)
+        if len(m) != E + R or any(not 0 <= e < E for e in m) or len(set(m)) != E:
+            raise ValueError(f"physical_experts of layer {l}: {len(m)} slots {list(m)[:16]}; expected {E} + {R} "
+                             f"redundant = {E + R} slots holding experts 0..{E - 1}, each at least once")
+        out[l] = m
+    return out

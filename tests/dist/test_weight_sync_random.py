@@ -2,9 +2,10 @@
 shared memory for random rank pairs, fp32 and bf16) leaves every engine buffer equal to the global
 tensors sliced by the engine spec, bit for bit, with padding untouched, and the byte counts add up.
 
-The pairs are drawn from a seeded generator in this process (GQA and MLA models, TP, PP, DP, EP with shuffled
-expert maps, ZeRO-3 row shards, attention-DP engines, several engines, co-located or not); one set of 4
-processes runs them all, each rank building the same seeded model and holding only its own buffers."""
+The pairs are drawn from a seeded generator in this process (GQA and MLA models, TP, PP, DP, EP with
+shuffled expert maps, ZeRO-3 row shards, attention-DP engines with redundant experts, several engines,
+co-located or not); one set of 4 processes runs them all, each rank building the same seeded model and
+holding only its own buffers."""
 
 import os
 import random
@@ -44,16 +45,23 @@ def draw_pair(rng: random.Random) -> dict:
     rng.shuffle(src_map)
     dtp = rng.choice([1, 2, 4])
     dep = rng.choice([1] + [e for e in (dtp, 2 * dtp) if 1 < e <= WORLD and experts % e == 0])
-    dst_layout = InferenceLayout(tp=dtp, ep=dep, engines=rng.randint(1, WORLD // (dep if dep > 1 else dtp)))
-    dst_map = None
-    if dep > 1:
-        dst_map = list(default_expert_map(experts, dep))
-        rng.shuffle(dst_map)
+    redundant = rng.choice([r for r in range(2 * dep + 1) if (experts + r) % dep == 0]) if dep > 1 else 0
+    dst_layout = InferenceLayout(tp=dtp, ep=dep, engines=rng.randint(1, WORLD // (dep if dep > 1 else dtp)),
+                                 redundant_experts=redundant)
+    dst_map = {}
+    if redundant:  # vLLM EPLB's physical -> logical map, shuffled
+        slots = list(range(experts)) + [rng.randrange(experts) for _ in range(redundant)]
+        rng.shuffle(slots)
+        dst_map = {"physical_experts": tuple(slots)}
+    elif dep > 1:
+        emap = list(default_expert_map(experts, dep))
+        rng.shuffle(emap)
+        dst_map = {"expert_map": tuple(emap)}
     offset = rng.randint(0, WORLD - dst_layout.world_size)
     world = max(src_layout.world_size, offset + dst_layout.world_size)
     rank_pairs = [(a, b) for a in range(world) for b in range(a + 1, world)]
     return {"cfg": cfg, "src": src_layout, "src_map": tuple(src_map), "zero": rng.choice([1, 3]),
-            "dst": dst_layout, "dst_map": dst_map and tuple(dst_map), "mtp": rng.random() < 0.5, "offset": offset,
+            "dst": dst_layout, "dst_map": dst_map, "mtp": rng.random() < 0.5, "offset": offset,
             "topology": Topology("random", tuple(rng.randint(0, 1) for _ in range(world)), 1e9),
             "same_device": sorted(set(rng.sample(rank_pairs, min(len(rank_pairs), rng.randint(0, 2))))),
             "dtype": rng.choice(["float32", "bfloat16"]), "bucket_bytes": rng.choice([64, 4096, 1 << 20]),
@@ -65,7 +73,7 @@ def worker(rank, cases):
     for c in cases:
         cfg, dtype = c["cfg"], getattr(torch, c["dtype"])
         src_spec = trainer_shard_spec(cfg, c["src"], c["src_map"], zero_stage=c["zero"])
-        dst_spec = engine_shard_spec(cfg, c["dst"], rank_offset=c["offset"], expert_map=c["dst_map"],
+        dst_spec = engine_shard_spec(cfg, c["dst"], rank_offset=c["offset"], **c["dst_map"],
                                      include_mtp=c["mtp"])
         plan = plan_reshard(src_spec, dst_spec, c["topology"], dtype_bytes=dtype.itemsize)
         g = torch.Generator().manual_seed(c["seed"])
@@ -108,5 +116,5 @@ def test_random_layout_pairs_are_exact_over_gloo():
 
 def plan_pairs(c):
     src = trainer_shard_spec(c["cfg"], c["src"], c["src_map"], zero_stage=c["zero"])
-    dst = engine_shard_spec(c["cfg"], c["dst"], rank_offset=c["offset"], expert_map=c["dst_map"], include_mtp=c["mtp"])
+    dst = engine_shard_spec(c["cfg"], c["dst"], rank_offset=c["offset"], **c["dst_map"], include_mtp=c["mtp"])
     return plan_reshard(src, dst, c["topology"], dtype_bytes=getattr(torch, c["dtype"]).itemsize).pairs

@@ -89,6 +89,45 @@ def test_expert_parallel_engines_replicate_attention_and_split_experts_by_map():
     assert attn[0] == attn[1] == attn[2] == attn[3]  # tp=1 attention, replicated over the DP-attention ranks
 
 
+def slots(rank, layer):
+    """Logical expert in each local slot of `rank`'s w13 buffer of `layer`, from its gate pieces."""
+    out = {}
+    for p in rank.pieces:
+        if p.param.startswith(f"model.layers.{layer}.mlp.experts.") and p.param.endswith("gate_proj.weight"):
+            out[p.offset[0]] = int(p.param.split(".")[5])
+    return [out[j] for j in range(len(out))]
+
+
+def test_redundant_experts_follow_vllm_eplb():
+    # 4 experts + 2 redundant over ep=2: 3 physical slots per rank; vLLM's initial map repeats experts 0, 1
+    spec = engine_shard_spec(CFG, InferenceLayout(tp=1, ep=2, redundant_experts=2))
+    spec.validate(must_cover=True)
+    r0, r1 = spec.ranks
+    assert r0.buffer_shapes()["model.layers.1.mlp.experts.w13_weight"] == (3, 8, 8)
+    assert slots(r0, 1) == [0, 1, 2] and slots(r1, 1) == [3, 0, 1]
+    assert str(InferenceLayout(tp=1, ep=2, redundant_experts=2)) == "1x(tp1ep2r2)"
+    # an EPLB map per layer (MLA: dense layer 0, MoE layer 1 and the MTP layer 2); expert 2 held three times
+    per_layer = {1: [2, 0, 2, 1, 3, 2], 2: [3, 2, 1, 0, 0, 1]}
+    spec = engine_shard_spec(MLA, InferenceLayout(tp=1, ep=2, redundant_experts=2), physical_experts=per_layer)
+    r0, r1 = spec.ranks
+    assert (slots(r0, 1), slots(r1, 1), slots(r0, 2), slots(r1, 2)) == ([2, 0, 2], [1, 3, 2], [3, 2, 1], [0, 0, 1])
+
+
+def test_redundant_expert_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="redundant_experts=2 with ep=1"):
+        InferenceLayout(tp=2, redundant_experts=2)
+    with pytest.raises(ValueError, match=r"ep=2 must divide the 4 \+ 1 redundant = 5 physical experts"):
+        engine_shard_spec(CFG, InferenceLayout(tp=1, ep=2, redundant_experts=1))
+    with pytest.raises(ValueError, match="each at least once"):  # expert 3 in no slot
+        engine_shard_spec(CFG, InferenceLayout(tp=1, ep=2, redundant_experts=2), physical_experts=[0, 1, 2, 0, 1, 2])
+    with pytest.raises(ValueError, match="expected 4 \\+ 2 redundant = 6 slots"):
+        engine_shard_spec(CFG, InferenceLayout(tp=1, ep=2, redundant_experts=2), physical_experts=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="give physical_experts"):
+        engine_shard_spec(CFG, InferenceLayout(tp=1, ep=2, redundant_experts=2), expert_map=[0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"the MoE layers are \[1, 2\]"):
+        engine_shard_spec(MLA, InferenceLayout(tp=1, ep=2), physical_experts={1: [0, 1, 2, 3]})
+
+
 @pytest.mark.parametrize("cfg", [CFG, MLA], ids=["gqa", "mla"])
 @pytest.mark.parametrize("layout", [InferenceLayout(tp=1), InferenceLayout(tp=2), InferenceLayout(tp=4, engines=2),
                                     InferenceLayout(tp=2, ep=4), InferenceLayout(tp=4, ep=4)], ids=str)

@@ -1,6 +1,6 @@
 """Property tests over random small trainer and engine layouts: TP, EP with shuffled expert maps, PP,
-DP replicas, several engines, fused buffers, attention-DP engines, co-located or not, GQA and MLA
-shapes, engines with or without the MTP module. A random model sliced into the trainer's buffers and
+DP replicas, redundant experts (EPLB maps), several engines, fused buffers, attention-DP engines,
+co-located or not, GQA and MLA shapes, engines with or without the MTP module. A random model sliced into the trainer's buffers and
 copied by the plan lands in every engine buffer bit for bit as the global tensors sliced by the engine
 spec, padding untouched; the byte counts add up; replicas are chosen local first, then same node."""
 
@@ -40,8 +40,16 @@ def cases(draw):
     # engines: tp, ep in {1} or multiples of tp dividing the experts
     dtp = draw(st.sampled_from([1, 2, 4]))
     dep = draw(st.sampled_from([1] + [e for e in (dtp, 2 * dtp) if e > 1 and experts % e == 0]))
-    dst_layout = InferenceLayout(tp=dtp, ep=dep, engines=draw(st.integers(1, 2)))
-    dst_map = draw(st.permutations(default_expert_map(experts, dep))) if dep > 1 else None
+    # redundant experts (vLLM EPLB): extra physical slots, a shuffled physical -> logical map or vLLM's default
+    redundant = draw(st.sampled_from([r for r in range(2 * dep + 1) if (experts + r) % dep == 0])) if dep > 1 else 0
+    dst_layout = InferenceLayout(tp=dtp, ep=dep, engines=draw(st.integers(1, 2)), redundant_experts=redundant)
+    dst_map = {}
+    if redundant:
+        extra = draw(st.lists(st.integers(0, experts - 1), min_size=redundant, max_size=redundant))
+        if draw(st.booleans()):
+            dst_map = {"physical_experts": draw(st.permutations(list(range(experts)) + extra))}
+    elif dep > 1:
+        dst_map = {"expert_map": draw(st.permutations(default_expert_map(experts, dep)))}
     offset = draw(st.sampled_from([0, src_layout.world_size, src_layout.world_size // 2]))
     world = max(src_layout.world_size, offset + dst_layout.world_size)
     nodes = tuple(draw(st.lists(st.integers(0, 2), min_size=world, max_size=world)))
@@ -59,7 +67,7 @@ def source_buffers(cfg, layout, emap, src: ShardSpec, full):
 def test_plan_copies_every_engine_buffer_exactly(case, seed):
     cfg, src_layout, src_map, dst_layout, dst_map, mtp, offset, topology = case
     src = trainer_shard_spec(cfg, src_layout, expert_map=src_map)
-    dst = engine_shard_spec(cfg, dst_layout, rank_offset=offset, expert_map=dst_map, include_mtp=mtp)
+    dst = engine_shard_spec(cfg, dst_layout, rank_offset=offset, include_mtp=mtp, **dst_map)
     plan = plan_reshard(src, dst, topology)
 
     g = torch.Generator().manual_seed(seed)
