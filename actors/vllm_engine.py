@@ -158,7 +158,7 @@ class VLLMEngine:
         t1 = time.time()
         info = self.update_from_pieces(self._sync_buffers, mine.pieces, spec.shapes(), version)
         return {"bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
-                "checked_transfers": stats.checked_transfers,
+                "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
                 "transfer_seconds": t1 - t0, "install_seconds": time.time() - t1, "start": t0,
                 "seconds": time.time() - t0, "version": info["version"]}
 

@@ -266,6 +266,7 @@ class RunState:
             "sync/bytes_local": self.plan.bytes_local,
             "sync/bytes_received": sum(r["bytes_received"] for r in engine_sync),
             "sync/bytes_shm": sum(r["bytes_shm"] for r in engine_sync),
+            "sync/bytes_in_place": sum(r["bytes_in_place"] for r in engine_sync),
             "sync/bytes_sent": sum(r["bytes_sent"] for r in trainer_sync),
             "sync/gb_per_s": self.plan.bytes_network / max(sync_s, 1e-9) / 1e9,
             "sync/floor_seconds": self.plan.floor_seconds(self.sync_layout.topology),
