@@ -117,12 +117,13 @@ def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch
         offset += t.numel
 
 
-def _in_place(bucket: list[Transfer], dst: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """The destination region of a one-transfer bucket as a flat view, when it is contiguous."""
+def _in_place(bucket: list[Transfer], dst: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """The destination region of a one-transfer bucket as a flat view, when it is contiguous and of the
+    dtype that travels (otherwise the bucket is received apart and cast as it is copied in)."""
     if len(bucket) != 1:
         return None
     region = dst[bucket[0].dst_buffer][bucket[0].dst_slices()]
-    return region.view(-1) if region.is_contiguous() else None
+    return region.view(-1) if region.is_contiguous() and region.dtype == dtype else None
 
 
 def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
@@ -137,7 +138,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
              dtype: torch.dtype, group=None, bucket_bytes: int = 32 << 20, verify: bool = True,
              fault_injector: Callable[[int, torch.Tensor], None] | None = None,
              same_device: Collection[tuple[int, int]] | None = None, alone_bytes: int = 256 << 10) -> SyncStats:
-    """Move this rank's part of `plan`. `group`: None for the default torch.distributed group (plan
+    """Move this rank's part of `plan`. `dtype` is what travels: sources of another dtype are cast as they
+    are packed (an fp32 master copy sent to bf16 engines), destinations cast as they are copied in. `group`: None for the default torch.distributed group (plan
     ranks are global ranks), or a process group whose ranks are the plan's ranks, used through its own
     send / recv (`weight_sync.group.transfer_group`). `same_device`: pairs of plan ranks (either order)
     on one device, whose transfers go through shared memory (`weight_sync.shm`); every rank must pass
@@ -175,7 +177,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         recvs = {}
         for s, buckets in incoming.items():
             if r < len(buckets):
-                buf = _in_place(buckets[r], dst)
+                buf = _in_place(buckets[r], dst, dtype)
                 in_place = buf is not None
                 if not in_place:
                     buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype,
@@ -183,7 +185,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 recvs[s] = (_irecv(buf, s, group), buf, buckets[r], in_place)
         for d, buckets in outgoing.items():
             if r < len(buckets):
-                parts = [src[t.src_buffer][t.src_slices()].reshape(-1) for t in buckets[r]]
+                parts = [src[t.src_buffer][t.src_slices()].reshape(-1).to(dtype) for t in buckets[r]]
                 buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
                 if verify:
                     sent_sums[d].append(bucket_checksum(buf))

@@ -1,5 +1,5 @@
 """Random layout pairs resharded over 4 real gloo processes: `run_plan` (buckets, transfers moved in place,
-shared memory for random rank pairs, fp32 and bf16) leaves every engine buffer equal to the global
+shared memory for random rank pairs, fp32 and bf16, fp32 sources cast on the way) leaves every engine buffer equal to the global
 tensors sliced by the engine spec, bit for bit, with padding untouched, and the byte counts add up.
 
 The pairs are drawn from a seeded generator in this process (GQA and MLA models, TP, PP, DP, EP with
@@ -64,7 +64,7 @@ def draw_pair(rng: random.Random) -> dict:
             "dst": dst_layout, "dst_map": dst_map, "mtp": rng.random() < 0.5, "offset": offset,
             "topology": Topology("random", tuple(rng.randint(0, 1) for _ in range(world)), 1e9),
             "same_device": sorted(set(rng.sample(rank_pairs, min(len(rank_pairs), rng.randint(0, 2))))),
-            "dtype": rng.choice(["float32", "bfloat16"]), "bucket_bytes": rng.choice([64, 4096, 1 << 20]),
+            "dtype": rng.choice(["float32", "bfloat16"]), "fp32_source": rng.random() < 0.3, "bucket_bytes": rng.choice([64, 4096, 1 << 20]),
             "alone_bytes": rng.choice([0, 256, 2048, 1 << 40]), "seed": rng.randrange(2**31)}
 
 
@@ -80,6 +80,8 @@ def worker(rank, cases):
         full = {n: torch.randn(s, generator=g).to(dtype) for n, s in param_shapes(cfg).items()}
         src = (local_tensors(full, rank_sharding(cfg, c["src"], rank, c["src_map"], zero_stage=c["zero"]))
                if rank < c["src"].world_size else None)
+        if src and c["fp32_source"]:  # an fp32 master copy: cast to the engines' dtype as it is packed
+            src = {n: t.float() for n, t in src.items()}
         mine = next((r for r in dst_spec.ranks if r.rank == rank), None)
         dst = {n: torch.full(s, SENTINEL, dtype=dtype) for n, s in mine.buffers} if mine else None
         stats = run_plan(plan, rank, src, dst, dtype, bucket_bytes=c["bucket_bytes"], alone_bytes=c["alone_bytes"],
