@@ -100,6 +100,34 @@ def _buckets(transfers: tuple[Transfer, ...], elem_bytes: int, bucket_bytes: int
     return out
 
 
+class _Batch:
+    """A round of sends and receives on the group. Backends that run point-to-point operations as device
+    kernels (nccl, hccl: `supports_coalescing`) get them as one group launch (ncclGroupStart / End),
+    without which two ranks sending to each other can deadlock; gloo runs each one as it is issued.
+    Untested on devices (none here)."""
+
+    def __init__(self, group, device: torch.device):
+        backend = getattr(group, "group", None)  # a TransferGroup's c10d backend
+        on = backend is not None and device.type != "cpu" and backend.supports_coalescing
+        self.backend, self.device, self.work = backend if on else None, device, None
+
+    def __enter__(self):
+        if self.backend is not None:
+            self.backend._start_coalescing(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.backend is not None:
+            self.work = self.backend._end_coalescing(self.device)
+
+    def track(self, work):
+        """What to wait on: the operation's own work, or the group launch's."""
+        return work if self.backend is None else self
+
+    def wait(self):
+        self.work.wait()
+
+
 def _isend(buf: torch.Tensor, peer: int, group, tag: int = 0):
     return dist.isend(buf, dst=peer, tag=tag) if group is None else group.send([buf], peer, tag)
 
@@ -173,25 +201,28 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     pending_sends: list = []
     transport = _shm_transport(rank, group, src, shm_out, shm_in, elem)
 
+    device = next(iter({**(src or {}), **(dst or {})}.values()), torch.empty(0)).device
+
     def post(r: int) -> dict[int, tuple]:
         recvs = {}
-        for s, buckets in incoming.items():
-            if r < len(buckets):
-                buf = _in_place(buckets[r], dst, dtype)
-                in_place = buf is not None
-                if not in_place:
-                    buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype,
-                                      device=dst[buckets[r][0].dst_buffer].device)
-                recvs[s] = (_irecv(buf, s, group), buf, buckets[r], in_place)
-        for d, buckets in outgoing.items():
-            if r < len(buckets):
-                parts = [src[t.src_buffer][t.src_slices()].reshape(-1).to(dtype) for t in buckets[r]]
-                buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-                if verify:
-                    sent_sums[d].append(bucket_checksum(buf))
-                pending_sends.append((_isend(buf, d, group), buf))
-                stats.bytes_sent += buf.numel() * elem
-                stats.buckets_sent += 1
+        with _Batch(group, device) as batch:
+            for s, buckets in incoming.items():
+                if r < len(buckets):
+                    buf = _in_place(buckets[r], dst, dtype)
+                    in_place = buf is not None
+                    if not in_place:
+                        buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype,
+                                          device=dst[buckets[r][0].dst_buffer].device)
+                    recvs[s] = (batch.track(_irecv(buf, s, group)), buf, buckets[r], in_place)
+            for d, buckets in outgoing.items():
+                if r < len(buckets):
+                    parts = [src[t.src_buffer][t.src_slices()].reshape(-1).to(dtype) for t in buckets[r]]
+                    buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                    if verify:
+                        sent_sums[d].append(bucket_checksum(buf))
+                    pending_sends.append((batch.track(_isend(buf, d, group)), buf))
+                    stats.bytes_sent += buf.numel() * elem
+                    stats.buckets_sent += 1
         for d, buckets in shm_out.items():  # packed straight into the shared slot, once the peer freed it
             if r < len(buckets):
                 n = sum(t.numel for t in buckets[r])
@@ -277,18 +308,22 @@ def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
                        via_shm: Collection[int] = ()) -> None:
     """Each sender sends its buckets' block sums to the receiver, which compares them with its own and
     raises naming the regions in the first differing block."""
-    works = [_isend(torch.cat(sums), d, group) for d, sums in sent.items()]  # on the data's device, as the data
+    if not sent and not received:
+        return
+    mine = {s: torch.cat([sums for _, sums in got]) for s, got in received.items()}  # on the data's device
+    want = {s: torch.empty_like(m) for s, m in mine.items()}
+    device = next(iter([*mine.values(), *(t for sums in sent.values() for t in sums)])).device
+    with _Batch(group, device) as batch:
+        works = [batch.track(_isend(torch.cat(sums), d, group)) for d, sums in sent.items()]
+        works += [batch.track(_irecv(w, s, group)) for s, w in want.items()]
+    for w in works:
+        w.wait()
     first, blocks = None, 0
     for s, got in received.items():
-        mine = torch.cat([sums for _, sums in got])
-        want = torch.empty_like(mine)
-        _irecv(want, s, group).wait()
-        bad = (mine != want).nonzero().flatten()
+        bad = (mine[s] != want[s]).nonzero().flatten()
         if bad.numel():
             blocks += bad.numel()
             first = first or (s, _regions_at(got, int(bad[0]), elem))
-    for w in works:
-        w.wait()
     if first:
         s, regions = first
         named = "; ".join(f"{t.param} region {t.box} in buffer {t.dst_buffer!r}" for t in regions[:4])
