@@ -218,9 +218,9 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 if r < len(buckets):
                     parts = [src[t.src_buffer][t.src_slices()].reshape(-1).to(dtype) for t in buckets[r]]
                     buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-                    if verify:
-                        sent_sums[d].append(bucket_checksum(buf))
                     pending_sends.append((batch.track(_isend(buf, d, group)), buf))
+                    if verify:  # read while it travels
+                        sent_sums[d].append(bucket_checksum(buf))
                     stats.bytes_sent += buf.numel() * elem
                     stats.buckets_sent += 1
         for d, buckets in shm_out.items():  # packed straight into the shared slot, once the peer freed it
