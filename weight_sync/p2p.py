@@ -166,10 +166,11 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
              dtype: torch.dtype, group=None, bucket_bytes: int = 32 << 20, verify: bool = True,
              fault_injector: Callable[[int, torch.Tensor], None] | None = None,
              same_device: Collection[tuple[int, int]] | None = None, alone_bytes: int = 256 << 10) -> SyncStats:
-    """Move this rank's part of `plan`. `dtype` is what travels: sources of another dtype are cast as they
-    are packed (an fp32 master copy sent to bf16 engines), destinations cast as they are copied in. `group`: None for the default torch.distributed group (plan
-    ranks are global ranks), or a process group whose ranks are the plan's ranks, used through its own
-    send / recv (`weight_sync.group.transfer_group`). `same_device`: pairs of plan ranks (either order)
+    """Move this rank's part of `plan`. `dtype` is what travels: sources of another dtype are cast as
+    they are packed (an fp32 master copy sent to bf16 engines), destinations as they are copied in.
+    `group`: None for the default torch.distributed group (plan ranks are global ranks), or a process
+    group whose ranks are the plan's ranks, used through its own send / recv
+    (`weight_sync.group.transfer_group`). `same_device`: pairs of plan ranks (either order)
     on one device, whose transfers go through shared memory (`weight_sync.shm`); every rank must pass
     the same pairs. A transfer of `alone_bytes` or more travels as a message of its own, sent straight
     from its source region and received straight into its destination region where those are
@@ -200,8 +201,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     sent_sums: dict[int, list[torch.Tensor]] = {d: [] for d in (*outgoing, *shm_out)}
     pending_sends: list = []
     transport = _shm_transport(rank, group, src, shm_out, shm_in, elem)
-
-    device = next(iter({**(src or {}), **(dst or {})}.values()), torch.empty(0)).device
+    device = next(iter((dst or src or {}).values()), torch.empty(0)).device  # of the data this rank moves
 
     def post(r: int) -> dict[int, tuple]:
         recvs = {}

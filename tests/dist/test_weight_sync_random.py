@@ -1,6 +1,7 @@
 """Random layout pairs resharded over 4 real gloo processes: `run_plan` (buckets, transfers moved in place,
-shared memory for random rank pairs, fp32 and bf16, fp32 sources cast on the way) leaves every engine buffer equal to the global
-tensors sliced by the engine spec, bit for bit, with padding untouched, and the byte counts add up.
+shared memory for random rank pairs, fp32 and bf16, fp32 sources cast on the way) leaves every engine
+buffer equal to the global tensors sliced by the engine spec, bit for bit, with padding untouched, and
+the byte counts add up.
 
 The pairs are drawn from a seeded generator in this process (GQA and MLA models, TP, PP, DP, EP with
 shuffled expert maps, ZeRO-3 row shards, attention-DP engines with redundant experts, several engines,
@@ -64,7 +65,8 @@ def draw_pair(rng: random.Random) -> dict:
             "dst": dst_layout, "dst_map": dst_map, "mtp": rng.random() < 0.5, "offset": offset,
             "topology": Topology("random", tuple(rng.randint(0, 1) for _ in range(world)), 1e9),
             "same_device": sorted(set(rng.sample(rank_pairs, min(len(rank_pairs), rng.randint(0, 2))))),
-            "dtype": rng.choice(["float32", "bfloat16"]), "fp32_source": rng.random() < 0.3, "bucket_bytes": rng.choice([64, 4096, 1 << 20]),
+            "dtype": rng.choice(["float32", "bfloat16"]), "fp32_source": rng.random() < 0.3,
+            "bucket_bytes": rng.choice([64, 4096, 1 << 20]),
             "alone_bytes": rng.choice([0, 256, 2048, 1 << 40]), "seed": rng.randrange(2**31)}
 
 
@@ -107,7 +109,8 @@ def test_random_layout_pairs_are_exact_over_gloo():
     results = run_ranks(worker, WORLD, cases, timeout_s=300)
     for i, c in enumerate(cases):
         per_rank = [r[i] for r in results]
-        name = f"seed {seed} case {i}: {c['src']} zero{c['zero']} -> {c['dst']} at {c['offset']}, {c['dtype']}, shm {c['same_device']}"
+        name = (f"seed {seed} case {i}: {c['src']} zero{c['zero']} -> {c['dst']} at {c['offset']}, {c['dtype']}, "
+                f"shm {c['same_device']}")
         assert all(not r["wrong"] for r in per_rank), (name, [r["wrong"][:3] for r in per_rank])
         minimal, network = per_rank[0]["plan"]
         assert sum(r["received"] for r in per_rank) == network, name
