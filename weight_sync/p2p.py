@@ -68,8 +68,10 @@ def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
     if b.data_ptr() % 8:  # a view into a larger buffer (a single-region bucket sent in place)
         b = b.clone()
     full, n8 = nbytes // _BLOCK_BYTES * _BLOCK_BYTES, nbytes // 8 * 8
-    return torch.cat([b[:full].view(torch.int64).view(-1, _BLOCK_BYTES // 8).sum(1),
-                      b[full:n8].view(torch.int64).sum().view(1), b[n8:].to(torch.int64).sum().view(1)])
+    blocks = b[:full].view(torch.int64).view(-1, _BLOCK_BYTES // 8).sum(1)
+    if full == nbytes:  # the same entries as the aligned case, whatever the alignment
+        return blocks
+    return torch.cat([blocks, b[full:n8].view(torch.int64).sum().view(1), b[n8:].to(torch.int64).sum().view(1)])
 
 
 def _block_bytes(i: int, nbytes: int) -> tuple[int, int]:

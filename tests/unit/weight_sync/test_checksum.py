@@ -1,0 +1,46 @@
+"""The sync's block checksum and bucket policy, in-process: every single flipped bit of a bucket changes
+the checksum entry of exactly the block that holds it, whatever the size, dtype or alignment; large
+transfers travel alone, the rest are packed in plan order up to the bucket size."""
+
+import pytest
+import torch
+
+from weight_sync.p2p import _block_bytes, _buckets, bucket_checksum
+from weight_sync.plan import Transfer
+from weight_sync.spec import Box
+
+
+@pytest.mark.parametrize("dtype,numel", [(torch.float32, 2048), (torch.float32, 3001), (torch.bfloat16, 4099),
+                                         (torch.bfloat16, 7)])
+def test_every_single_bit_flip_is_caught_in_its_block(dtype, numel):
+    x = torch.randn(numel + 1, generator=torch.Generator().manual_seed(numel)).to(dtype)[1:]  # unaligned view
+    want = bucket_checksum(x)
+    assert torch.equal(want, bucket_checksum(x.clone()))  # alignment does not change it
+    nbytes = numel * x.element_size()
+    raw = x.clone().view(torch.uint8)
+    step = max(1, nbytes // 97)  # bytes spread over the whole bucket, all 8 bits of each, and the last byte
+    for byte in [*range(0, nbytes, step), nbytes - 1]:
+        for bit in range(8):
+            raw[byte] ^= 1 << bit
+            got = bucket_checksum(raw.view(dtype))
+            raw[byte] ^= 1 << bit
+            bad = (got != want).nonzero().flatten().tolist()
+            assert len(bad) == 1, (byte, bit, bad)
+            lo, hi = _block_bytes(bad[0], nbytes)
+            assert lo <= byte < hi, (byte, bit, lo, hi)
+
+
+def transfer(n: int) -> Transfer:
+    return Transfer("w", Box((0,), (n,)), 0, "a", (0,), 1, "b", (0,), False)
+
+
+def test_large_transfers_travel_alone_the_rest_fill_buckets_in_order():
+    sizes = [10, 10, 300, 10, 10, 10, 1000, 5]  # elements of 4 bytes
+    buckets = _buckets(tuple(transfer(n) for n in sizes), 4, bucket_bytes=100, alone_bytes=1024)
+    assert [[t.numel for t in b] for b in buckets] == [[10, 10], [300], [10, 10], [10], [1000], [5]]
+    # without alone_bytes a transfer larger than a bucket is still a bucket of its own, never split
+    assert [[t.numel for t in b] for b in _buckets(tuple(transfer(n) for n in sizes), 4, 100)] == \
+        [[10, 10], [300], [10, 10], [10], [1000], [5]]
+    assert [[t.numel for t in b] for b in _buckets(tuple(transfer(n) for n in sizes), 4, 1 << 20, 1024)] == \
+        [[10, 10], [300], [10, 10, 10], [1000], [5]]
+    assert _buckets((), 4, 100) == []
