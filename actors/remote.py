@@ -7,6 +7,7 @@ into a `RoleError` naming the role and rank, so the driver never hangs on a dead
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 
@@ -105,3 +106,16 @@ def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float
             placement_group=placement_group, placement_group_bundle_index=bundle_index)
     actor = ray.remote(cls).options(**options).remote(*args, **kwargs)
     return RoleHandle(actor, role, rank)
+
+
+def node_address() -> tuple[str, int]:
+    """This node's address and a free TCP port on it (rank 0 of a group hosts the group's store there)."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:
+        host = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]

@@ -2,11 +2,8 @@
 reward model that scores prompt + response.
 
 Plain classes (Ray actors where the driver spawns them), called the same way:
-`score(responses, answers, prompts=None) -> {"scores": [one float per response], "start", "seconds"}`.
-`exact_match` is the tiny task's check (the response's leading integer equals the answer); `math_verify`
-compares final answers symbolically with Hugging Face's math-verify (LaTeX, fractions, sets, ...), the
-verifier DAPO / Open-R1 style math runs use. A response that cannot be parsed scores 0, never an
-exception that would stop the run. `RewardModelWorker` (`reward.kind: model`) ignores the answers.
+`score(responses, answers, prompts=None) -> ScoreReply` (one score per response).
+The rules themselves are pure functions (`rlhf.data.verifiers`). `RewardModelWorker` (`reward.kind: model`) ignores the answers.
 """
 
 from __future__ import annotations
@@ -14,26 +11,9 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from rlhf.config.schema import DeviceType, RewardKind
-
-
-def exact_match(response: str, answer: str) -> float:
-    from rlhf.data.arithmetic import is_correct
-
-    return float(is_correct(response, answer))
-
-
-def math_verify_score(response: str, answer: str) -> float:
-    from math_verify import parse, verify
-
-    try:
-        gold = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
-        return float(bool(verify(gold, parse(response))))
-    except Exception:  # math-verify raises on some malformed LaTeX: an unparseable answer is wrong
-        return 0.0
-
-
-RULES = {RewardKind.exact_match: exact_match, RewardKind.math_verify: math_verify_score}
+from actors.replies import ScoreReply
+from rlhf.data.verifiers import RULES
+from rlhf.schema import DeviceType, RewardKind
 
 
 class RuleRewardWorker:
@@ -43,11 +23,11 @@ class RuleRewardWorker:
                              f"{[k.value for k in RULES]}")
         self.kind, self.rule = kind, RULES[kind]
 
-    def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> dict:
+    def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:
         """`prompts` is accepted so every reward worker is called alike; rules only read the answers."""
         t0 = time.time()
         scores = [self.rule(r, a) for r, a in zip(responses, answers, strict=True)]
-        return {"scores": scores, "start": t0, "seconds": time.time() - t0}
+        return ScoreReply(scores, t0, time.time() - t0)
 
 
 class RewardModelWorker:
@@ -71,7 +51,7 @@ class RewardModelWorker:
         self.max_tokens = max_tokens or self.model.config.max_position_embeddings
         self.batch_size = batch_size
 
-    def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> dict:
+    def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:
         """One score per response; `answers` is only checked for length (a reward model needs none)."""
         import torch
 
@@ -97,4 +77,4 @@ class RewardModelWorker:
                 scores_B = self.model(input_ids_BT.to(self.device), mask_BT.to(self.device)).float().cpu()
                 for i, s in zip(rows, scores_B.tolist()):
                     scores[i] = s
-        return {"scores": scores, "start": t0, "seconds": time.time() - t0}
+        return ScoreReply(scores, t0, time.time() - t0)

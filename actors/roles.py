@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Sequence
 
 from actors.remote import RoleHandle, call_all, spawn
-from rlhf.config.schema import RewardKind, RunConfig
+from actors.replies import ScoreReply, SyncReplies
+from rlhf.schema import RewardKind, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
 
@@ -107,13 +108,13 @@ class Roles:
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order
 
     def score(self, responses: Sequence[str], answers: Sequence[str],
-              prompts: Sequence[str] | None = None) -> tuple[list[float], list[dict]]:
+              prompts: Sequence[str] | None = None) -> tuple[list[float], list[ScoreReply]]:
         """Scores split evenly over the reward workers (a reward model reads prompt + response)."""
         k = len(self.rewards)
         bounds = [len(responses) * i // k for i in range(k + 1)]
         outs = call_all([(w, "score", (responses[a:b], answers[a:b]), {"prompts": None if prompts is None else prompts[a:b]})
                          for w, a, b in zip(self.rewards, bounds, bounds[1:])], self.timeout_s)
-        return [s for o in outs for s in o["scores"]], outs
+        return [s for o in outs for s in o.scores], outs
 
     def logprobs(self, group: Sequence[RoleHandle], batch_ref) -> tuple:
         """(logp [B, T-1], entropy [B, T-1], per-rank replies) of a policy group over the whole batch."""
@@ -121,16 +122,17 @@ class Roles:
 
         outs = self.all(group, "logprobs", batch_ref)
         parts = [o for o in outs if o is not None]
-        rows = torch.cat([o["rows"] for o in parts])
+        rows = torch.cat([o.rows for o in parts])
         order = torch.argsort(rows)
-        return torch.cat([o["logp"] for o in parts])[order], torch.cat([o["entropy"] for o in parts])[order], outs
+        return torch.cat([o.logp for o in parts])[order], torch.cat([o.entropy for o in parts])[order], outs
 
-    def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> list:
+    def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
-        memory); returns the trainer ranks' replies, then the engines'."""
+        memory)."""
         calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
         calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
-        return call_all(calls, self.timeout_s)
+        replies = call_all(calls, self.timeout_s)
+        return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
 
     def shutdown(self) -> None:
         import ray
@@ -163,7 +165,7 @@ def connect(p, log=print) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         log(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']}")
         return True
-    from rlhf.config.schema import DeviceType
+    from rlhf.schema import DeviceType
 
     devices = p.nodes * p.devices_per_node
     resources = {p.device_resource: devices} if p.device_type is DeviceType.cpu else {}

@@ -11,32 +11,20 @@ The reference is a `PolicyWorker`: the same sharded model, frozen, offloaded bet
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from actors.remote import node_address
+from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
-from rlhf.config.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
+from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer
-from weight_sync.layout import Layout
-
-
-def node_address() -> tuple[str, int]:
-    """This node's address and a free TCP port on it (rank 0 hosts the group's store there)."""
-    try:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    except Exception:
-        host = "127.0.0.1"
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
+from rlhf.layout import trainer_layout
 
 
 class PolicyWorker:
@@ -47,8 +35,7 @@ class PolicyWorker:
         torch.set_num_threads(threads)
         self.model_cfg, self.tcfg, self.device_type, self.rank = model_cfg, trainer_cfg, device_type, rank
         self.model_dir = model_dir
-        self.layout = Layout(pp=trainer_cfg.pp, dp=trainer_cfg.dp, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
-                             experts_over_tp_ep=trainer_cfg.experts_over_tp_ep)
+        self.layout = trainer_layout(trainer_cfg)
         self.trainer: ParallelTrainer | None = None
 
     def address(self) -> tuple[str, int]:
@@ -68,7 +55,7 @@ class PolicyWorker:
         c = self.layout.coords(self.rank)
         return self.trainer.is_last_stage and c.tp == 0
 
-    def logprobs(self, batch: TokenBatch) -> dict | None:
+    def logprobs(self, batch: TokenBatch) -> LogprobsReply | None:
         """Per-token logprobs and entropies [rows, T-1] of this DP rank's samples, from one rank per DP
         index; None from the others."""
         t0 = time.time()
@@ -82,7 +69,7 @@ class PolicyWorker:
         rows = torch.cat([mb.extras["rows"] for mb in mbs])
         logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
         ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
-        return {"rows": rows, "logp": logp, "entropy": ent, "start": t0, "seconds": time.time() - t0}
+        return LogprobsReply(rows, logp, ent, t0, time.time() - t0)
 
     def offload(self) -> int:
         return self.trainer.offload()
@@ -103,7 +90,7 @@ class TrainerWorker(PolicyWorker):
         self.algo = algorithm_cfg
         self.sync_group = None
 
-    def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]]) -> dict:
+    def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]]) -> UpdateReply:
         """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
         same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
         count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""
@@ -122,14 +109,12 @@ class TrainerWorker(PolicyWorker):
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
         n = max(record.tokens, 1.0)
-        stats = {"loss": sum(losses) / len(losses), "grad_norm": max(norms), "optimizer_steps": len(losses),
-                 "lr": out["lr"],
-                 "clip_fraction": record.clip_fraction / n, "ratio_mean": record.ratio / n,
-                 "kl": record.kl / n, "entropy": record.entropy / n, "tokens": record.tokens}
+        stats = UpdateStats(loss=sum(losses) / len(losses), grad_norm=max(norms), optimizer_steps=len(losses),
+                            lr=out["lr"], clip_fraction=record.clip_fraction / n, ratio_mean=record.ratio / n,
+                            kl=record.kl / n, entropy=record.entropy / n, tokens=record.tokens)
         router = self.trainer.router_stats()  # a collective over the stage: every rank calls it
         # every rank reports its own token-weighted sums; the driver combines DP ranks
-        return {"stats": stats, "start": t0, "seconds": time.time() - t0,
-                "router": router.tolist() if self._returns_rows else None}
+        return UpdateReply(stats, router.tolist() if self._returns_rows else None, t0, time.time() - t0)
 
     # --- weight sync ---
     def join_sync(self, host: str, port: int, world_size: int) -> bool:
@@ -139,8 +124,8 @@ class TrainerWorker(PolicyWorker):
         self.sync_group = transfer_group(backend, host, port, self.rank, world_size, self.tcfg.collective_timeout_s)
         return True
 
-    def send_weights(self, sync, same_device=frozenset()) -> dict:
-        """Send this rank's part of the sync plan (`weight_sync.engine_sync.SyncLayout`); pairs in
+    def send_weights(self, sync, same_device=frozenset()) -> SendReply:
+        """Send this rank's part of the sync plan (`rlhf.placement.transfer.SyncLayout`); pairs in
         `same_device` go through shared memory."""
         from weight_sync.p2p import run_plan
 
@@ -149,9 +134,7 @@ class TrainerWorker(PolicyWorker):
         _, src = self.trainer.export_shards()
         stats = run_plan(sync.plan(), self.rank, src, None, src[next(iter(src))].dtype, group=self.sync_group,
                          same_device=same_device)
-        return {"bytes_sent": stats.bytes_sent, "bytes_shm_sent": stats.bytes_shm_sent, "bytes_local": stats.bytes_local,
-                "start": t0,
-                "seconds": time.time() - t0}
+        return SendReply(stats.bytes_sent, stats.bytes_shm_sent, stats.bytes_local, t0, time.time() - t0)
 
     # --- checkpoints ---
     def save(self, ckpt_dir: str) -> dict:

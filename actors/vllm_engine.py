@@ -13,7 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from rlhf.config.schema import DeviceType, RolloutConfig
+from actors.remote import node_address
+from actors.replies import ReceiveReply
+from rlhf.schema import DeviceType, RolloutConfig
+from weight_sync.pieces import assemble, buffer_region
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +113,7 @@ class VLLMEngine:
         fused qkv / gate_up / stacked experts, padded vocabulary). Each piece says which box of which HF
         tensor sits where in a buffer; the HF tensors are assembled from them and installed in checkpoint
         format (on CPU vLLM prepacks after loading, so kernel-format buffers cannot be written directly)."""
-        import torch
-
-        staging: dict = {}
-        for p in pieces:
-            if p.param not in staging:
-                staging[p.param] = torch.empty(global_shapes[p.param], dtype=buffers[p.buffer].dtype)
-            staging[p.param][p.box.slices()] = buffers[p.buffer][p.buffer_slices()]
+        staging = assemble(pieces, global_shapes, buffer_region(buffers))
         missing = set(global_shapes) - set(staging)
         if missing:
             raise WeightUpdateRejected(f"the received pieces do not cover {sorted(missing)[:3]} "
@@ -125,8 +122,6 @@ class VLLMEngine:
 
     # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
     def address(self) -> tuple[str, int]:
-        from actors.trainer_worker import node_address
-
         return node_address()
 
     def join_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
@@ -136,8 +131,8 @@ class VLLMEngine:
         self.sync_group, self.sync_rank = transfer_group(backend, host, port, rank, world_size, timeout_s), rank
         return True
 
-    def receive_weights(self, sync, version: int, same_device=frozenset()) -> dict:
-        """Receive this engine's part of the sync plan (`weight_sync.engine_sync.SyncLayout`) into its
+    def receive_weights(self, sync, version: int, same_device=frozenset()) -> ReceiveReply:
+        """Receive this engine's part of the sync plan (`rlhf.placement.transfer.SyncLayout`) into its
         fused buffers, verify every region's checksum against what the trainer ranks sent, then install
         the weights exactly in every worker. Raises (naming tensor and ranks) on a checksum mismatch,
         before any weight is touched."""
@@ -157,10 +152,8 @@ class VLLMEngine:
                          group=self.sync_group, same_device=same_device)
         t1 = time.time()
         info = self.update_from_pieces(self._sync_buffers, mine.pieces, spec.shapes(), version)
-        return {"bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
-                "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
-                "transfer_seconds": t1 - t0, "install_seconds": time.time() - t1, "start": t0,
-                "seconds": time.time() - t0, "version": info["version"]}
+        return ReceiveReply(info["version"], stats.bytes_received, stats.bytes_shm, stats.bytes_in_place,
+                            stats.checked_transfers, t1 - t0, time.time() - t1, t0, time.time() - t0)
 
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.

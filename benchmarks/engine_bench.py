@@ -24,7 +24,7 @@ def main() -> None:
     args = ap.parse_args()
     from actors.vllm_engine import VLLMEngine
     from rlhf.config import load_model_config
-    from rlhf.config.schema import RolloutConfig
+    from rlhf.schema import RolloutConfig
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
     from rlhf.model.hf_io import save_pretrained, to_hf_tensors
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM

@@ -58,7 +58,7 @@ def main() -> None:
     from actors.vllm_engine import VLLMEngine
     from rlhf.algorithms.advantages import grpo_advantages, nonzero_variance_groups
     from rlhf.algorithms.losses import aggregate, kl_penalty, ppo_clip_loss
-    from rlhf.config.schema import KLEstimator, LossAggregation, RolloutConfig
+    from rlhf.schema import KLEstimator, LossAggregation, RolloutConfig
     from rlhf.data.arithmetic import is_correct
     from rlhf.data.prompts import load_prompts
     from rlhf.data.tokenizer import load_tokenizer

@@ -21,12 +21,13 @@ import time
 import torch
 
 from rlhf.config import load_model_config
-from rlhf.config.schema import TrainerConfig
+from rlhf.schema import TrainerConfig
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks
-from rlhf.parallel.trainer import MicroBatch, ParallelTrainer
-from weight_sync.layout import Layout
+from rlhf.batch import MicroBatch
+from rlhf.parallel.trainer import ParallelTrainer
+from rlhf.layout import Layout
 
 LAYOUTS = {
     "single": (Layout(), {}),

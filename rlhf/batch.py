@@ -14,10 +14,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlhf.parallel.balance import balance
-from rlhf.parallel.trainer import MicroBatch
+from rlhf.balance import balance
 
 PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one forward of the trainer takes: a padded slice of the batch and the per-sample tensors its
+    loss needs (`extras`: rows, mask, advantages, old / ref / rollout logprobs)."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    extras: dict
 
 
 @dataclass(frozen=True)

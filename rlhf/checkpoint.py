@@ -38,10 +38,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import from_hf_tensors, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.shapes import param_shapes
+from weight_sync.pieces import assemble, buffer_region
 from weight_sync.spec import Box, Piece
 
 FORMAT = 1
@@ -287,14 +288,8 @@ def export_hf(ckpt_dir: str | Path, model_cfg: ModelConfig, out_dir: str | Path,
     full: dict[str, torch.Tensor] = {}
     for rank, pieces in sorted(by_rank.items()):
         with safe_open(str(_rank_paths(d, rank)[0]), framework="pt") as f:
-            buffers: dict[str, torch.Tensor] = {}
-            for p in pieces:
-                if p.buffer not in buffers:
-                    buffers[p.buffer] = f.get_tensor(p.buffer)
-                part = buffers[p.buffer][p.buffer_slices()]
-                if p.param not in full:
-                    full[p.param] = torch.empty(expected[p.param], dtype=part.dtype)
-                full[p.param][p.box.slices()] = part
+            buffers = {name: f.get_tensor(name) for name in {p.buffer for p in pieces}}
+            assemble(pieces, expected, buffer_region(buffers), full)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(model_cfg)
     model.load_state_dict(from_hf_tensors(((n, full[n]) for n in expected), model_cfg), strict=True, assign=True)

@@ -43,7 +43,7 @@ def _check(args) -> int:
 
 def _eval(args) -> int:
     from rlhf.config import load_run_config
-    from rlhf.evaluate import evaluate
+    from rlhf.driver.evaluate import evaluate
 
     cfg = load_run_config(args.config, args.overrides)
     result = evaluate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     from actors.remote import RoleError
-    from rlhf.config.validate import ConfigError
+    from rlhf.errors import ConfigError
     from rlhf.data.prompts import DatasetError
 
     try:

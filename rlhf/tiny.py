@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.data.arithmetic import Problem, is_correct, make_problems, write_jsonl
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.generate import greedy_generate

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, TextIO
 
-from rlhf.config.schema import TrackingConfig, TrackingMode
+from rlhf.schema import TrackingConfig, TrackingMode
 
 
 class Tracker:

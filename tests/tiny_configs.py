@@ -2,7 +2,7 @@
 Small enough that a random layout pair plans and runs in milliseconds, shaped like the real ones:
 GQA (Qwen3-MoE) or MLA with a shared expert, sigmoid router and an MTP module (DeepSeek-V3 / Pangu)."""
 
-from rlhf.config.schema import Attention, MLAConfig, ModelConfig, RouterScoring
+from rlhf.schema import Attention, MLAConfig, ModelConfig, RouterScoring
 
 
 def gqa(layers: int, kv_heads: int, experts: int, dense: int, vocab: int) -> ModelConfig:

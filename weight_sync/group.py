@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 
 _PREFIX = "rlhf-weight-sync/"
@@ -54,3 +55,13 @@ class TransferGroup:
 
     def recv(self, tensors, peer: int, tag: int = 0):
         return self.group.recv(tensors, peer, tag)
+
+
+def isend(buf: torch.Tensor, peer: int, group=None, tag: int = 0):
+    """Post a send to `peer` on `group` (a `TransferGroup`), or on the default group when None."""
+    return dist.isend(buf, dst=peer, tag=tag) if group is None else group.send([buf], peer, tag)
+
+
+def irecv(buf: torch.Tensor, peer: int, group=None, tag: int = 0):
+    """Post a receive from `peer` on `group` (a `TransferGroup`), or on the default group when None."""
+    return dist.irecv(buf, src=peer, tag=tag) if group is None else group.recv([buf], peer, tag)

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Mapping
 
 import torch
-import torch.distributed as dist
 
+from weight_sync.group import irecv, isend
 from weight_sync.plan import Plan, Transfer
+from weight_sync.shm import ShmTransport, pair_set
 
 
 class ChecksumMismatch(RuntimeError):
@@ -130,14 +131,6 @@ class _Batch:
         self.work.wait()
 
 
-def _isend(buf: torch.Tensor, peer: int, group, tag: int = 0):
-    return dist.isend(buf, dst=peer, tag=tag) if group is None else group.send([buf], peer, tag)
-
-
-def _irecv(buf: torch.Tensor, peer: int, group, tag: int = 0):
-    return dist.irecv(buf, src=peer, tag=tag) if group is None else group.recv([buf], peer, tag)
-
-
 def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
     """Copy a bucket's regions from `flat` into the destination buffers."""
     offset = 0
@@ -182,7 +175,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     t0 = time.perf_counter()
     stats = SyncStats()
     elem = torch.empty((), dtype=dtype).element_size()
-    shared = _pair_set(same_device)
+    shared = pair_set(same_device)
     outgoing, incoming, shm_out, shm_in = {}, {}, {}, {}
     for (s, d), transfers in plan.pairs:
         if s == rank and d == rank:
@@ -215,12 +208,12 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                     if not in_place:
                         buf = torch.empty(sum(t.numel for t in buckets[r]), dtype=dtype,
                                           device=dst[buckets[r][0].dst_buffer].device)
-                    recvs[s] = (batch.track(_irecv(buf, s, group)), buf, buckets[r], in_place)
+                    recvs[s] = (batch.track(irecv(buf, s, group)), buf, buckets[r], in_place)
             for d, buckets in outgoing.items():
                 if r < len(buckets):
                     parts = [src[t.src_buffer][t.src_slices()].reshape(-1).to(dtype) for t in buckets[r]]
                     buf = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-                    pending_sends.append((batch.track(_isend(buf, d, group)), buf))
+                    pending_sends.append((batch.track(isend(buf, d, group)), buf))
                     if verify:  # read while it travels
                         sent_sums[d].append(bucket_checksum(buf))
                     stats.bytes_sent += buf.numel() * elem
@@ -274,14 +267,6 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     return stats
 
 
-def _pair_set(same_device: Collection[tuple[int, int]] | None) -> frozenset[tuple[int, int]]:
-    if not same_device:
-        return frozenset()
-    from weight_sync import shm  # imports this module: loaded only when a caller declares same-device pairs
-
-    return shm.pair_set(same_device)
-
-
 class _NoTransport:
     """Stands in for `weight_sync.shm.ShmTransport` when this rank has no same-device pair."""
 
@@ -298,8 +283,6 @@ class _NoTransport:
 def _shm_transport(rank: int, group, src, shm_out: dict, shm_in: dict, elem: int):
     if not shm_out and not shm_in:
         return _NoTransport()
-    from weight_sync.shm import ShmTransport
-
     outgoing = {d: (max(sum(t.numel for t in b) for b in buckets) * elem, src[buckets[0][0].src_buffer].device)
                 for d, buckets in shm_out.items()}
     return ShmTransport(rank, group, outgoing, {s: len(buckets) for s, buckets in shm_in.items()})
@@ -316,8 +299,8 @@ def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
     want = {s: torch.empty_like(m) for s, m in mine.items()}
     device = next(iter([*mine.values(), *(t for sums in sent.values() for t in sums)])).device
     with _Batch(group, device) as batch:
-        works = [batch.track(_isend(torch.cat(sums), d, group)) for d, sums in sent.items()]
-        works += [batch.track(_irecv(w, s, group)) for s, w in want.items()]
+        works = [batch.track(isend(torch.cat(sums), d, group)) for d, sums in sent.items()]
+        works += [batch.track(irecv(w, s, group)) for s, w in want.items()]
     for w in works:
         w.wait()
     first, blocks = None, 0

@@ -41,7 +41,7 @@ from typing import Collection, Mapping
 
 import torch
 
-from weight_sync.p2p import _irecv, _isend
+from weight_sync.group import irecv, isend
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "rlhf-ws-"
@@ -264,7 +264,7 @@ class ShmTransport:
         else:
             _HELD.pop(key, None)
             payload = torch.empty(payload_len, dtype=torch.uint8)
-            _irecv(payload, peer, self.group, _TAG_FORWARD).wait()
+            irecv(payload, peer, self.group, _TAG_FORWARD).wait()
             seg = _HELD[key] = open_segment(seg_id, nbytes, kind, payload.numpy().tobytes())
         self._recv[peer] = seg
 
@@ -279,11 +279,11 @@ class ShmTransport:
         self._works.clear()
 
     def _message(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        self._works.append((_isend(t, peer, self.group, tag), t))
+        self._works.append((isend(t, peer, self.group, tag), t))
 
     def _post_recv(self, n: int, peer: int, tag: int) -> tuple:
         buf = torch.empty(n, dtype=torch.int64)
-        return _irecv(buf, peer, self.group, tag), buf
+        return irecv(buf, peer, self.group, tag), buf
 
     @staticmethod
     def _wait(posted: tuple) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.config.schema import KLEstimator, LossAggregation
+from rlhf.schema import KLEstimator, LossAggregation
 
 
 @dataclass(frozen=True)

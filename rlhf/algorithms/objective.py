@@ -22,7 +22,7 @@ import torch
 
 from rlhf.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
 from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, truncated_is_weights
-from rlhf.config.schema import AlgorithmConfig, Estimator, LossAggregation
+from rlhf.schema import AlgorithmConfig, Estimator, LossAggregation
 
 
 def advantages(cfg: AlgorithmConfig, rewards_PG: torch.Tensor) -> torch.Tensor:

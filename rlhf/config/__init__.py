@@ -1,7 +1,7 @@
 """Typed configuration: the schema (`schema`), its loader (`load`) and value checks (`validate`)."""
 
 from rlhf.config.load import load_config, load_model_config, load_run_config
-from rlhf.config.schema import (
+from rlhf.schema import (
     AlgorithmConfig,
     CheckpointConfig,
     DataConfig,
@@ -12,7 +12,7 @@ from rlhf.config.schema import (
     TrackingConfig,
     TrainerConfig,
 )
-from rlhf.config.validate import ConfigError
+from rlhf.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "PlacementConfig",

@@ -23,8 +23,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from rlhf.config.schema import ModelConfig, RunConfig
-from rlhf.config.validate import ConfigError, validate_model, validate_run
+from rlhf.schema import ModelConfig, RunConfig
+from rlhf.config.validate import validate_model, validate_run
+from rlhf.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -6,35 +6,14 @@ reported together in one `ConfigError`, before any process or actor starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config.schema import Attention, ModelConfig, RewardConfig, RewardKind, RunConfig
-from weight_sync.layout import Layout
+from rlhf.errors import ConfigError, Problem, divisors, raise_problems
+from rlhf.layout import fit_problems, trainer_layout
+from rlhf.placement import cluster_problems, placement_problems
+from rlhf.schema import Attention, ModelConfig, RewardConfig, RewardKind, RunConfig
 
-
-class ConfigError(ValueError):
-    """A configuration a run cannot use. The message says what to change."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    key: str
-    value: object
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.key} = {self.value!r}: {self.fix}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
-
-
-def _raise(problems: list[Problem], what: str) -> None:
-    if problems:
-        lines = "\n  ".join(str(p) for p in problems)
-        raise ConfigError(f"invalid {what} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  {lines}")
+__all__ = ["ConfigError", "Problem", "model_problems", "run_problems", "validate_model", "validate_run"]
 
 
 def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
@@ -52,7 +31,7 @@ def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
         p.append(Problem(
             f"{prefix}.num_key_value_heads", m.num_key_value_heads,
             f"must divide num_attention_heads={m.num_attention_heads}; "
-            f"choose one of {_divisors(m.num_attention_heads)}",
+            f"choose one of {divisors(m.num_attention_heads)}",
         ))
     if m.num_experts_per_tok > m.num_experts:
         p.append(Problem(f"{prefix}.num_experts_per_tok", m.num_experts_per_tok,
@@ -76,25 +55,6 @@ def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
     return p
 
 
-def _layout_problems(section: str, m: ModelConfig, tp: int, ep: int, experts_over_tp_ep: bool) -> list[Problem]:
-    """TP must split the heads, EP the experts."""
-    p: list[Problem] = []
-    if tp <= 0 or ep <= 0:
-        return [Problem(f"{section}.{'tp' if tp <= 0 else 'ep'}", tp if tp <= 0 else ep, "must be >= 1")]
-    if m.num_attention_heads % tp:
-        p.append(Problem(f"{section}.tp", tp, f"must divide model.num_attention_heads={m.num_attention_heads}; "
-                         f"choose one of {_divisors(m.num_attention_heads)}"))
-    if m.num_key_value_heads % tp and tp % m.num_key_value_heads:
-        p.append(Problem(f"{section}.tp", tp, f"must divide or be a multiple of model.num_key_value_heads="
-                         f"{m.num_key_value_heads} (KV heads are split or replicated)"))
-    expert_shards = ep * tp if experts_over_tp_ep else ep
-    if m.num_experts % expert_shards:
-        what = f"ep * tp = {ep} * {tp}" if experts_over_tp_ep else f"ep={ep}"
-        p.append(Problem(f"{section}.ep", ep, f"{what} must divide model.num_experts={m.num_experts}; "
-                         f"choose ep so that it does, e.g. one of {_divisors(m.num_experts)}"))
-    return p
-
-
 def run_problems(cfg: RunConfig) -> list[Problem]:
     m, t, r, a, d = cfg.model, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.data
     p = model_problems(m)
@@ -105,11 +65,11 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem(f"trainer.{name}", getattr(t, name), "must be >= 1"))
     if t.pp > m.num_hidden_layers:
         p.append(Problem("trainer.pp", t.pp, f"cannot exceed model.num_hidden_layers={m.num_hidden_layers}"))
-    p += _layout_problems("trainer", m, t.tp, t.ep, t.experts_over_tp_ep)
-    p += _layout_problems("rollout", m, r.tp, r.ep, False)
+    p += fit_problems(m, "trainer", t.tp, t.ep, t.experts_over_tp_ep)
+    p += fit_problems(m, "rollout", r.tp, r.ep, engine=True)
     if t.pp > 0 and t.dp > 0 and t.tp > 0 and t.ep > 0:
         try:
-            Layout(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep)
+            trainer_layout(t)
         except ValueError as e:
             p.append(Problem("trainer.ep", t.ep, str(e)))
     for bad in set(t.recompute) - {"attention", "experts", "norms"}:
@@ -142,7 +102,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must divide the rollout batch data.prompts_per_step * algorithm.group_size = "
                              f"{d.prompts_per_step} * {a.group_size} = {batch}; choose one of "
-                             f"{[x for x in _divisors(batch) if x % a.group_size == 0]}"))
+                             f"{[x for x in divisors(batch) if x % a.group_size == 0]}"))
         elif t.mini_batch_size % a.group_size:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must be a whole number of groups (a multiple of algorithm.group_size={a.group_size})"))
@@ -200,13 +160,11 @@ def reward_problems(w: RewardConfig) -> list[Problem]:
 
 
 def validate_model(m: ModelConfig) -> None:
-    _raise(model_problems(m), "model config")
+    raise_problems(model_problems(m), "model config")
 
 
 def validate_run(cfg: RunConfig) -> None:
-    from rlhf.placement import cluster_problems, placement_problems  # lazy: rlhf.placement imports this module
-
     p = run_problems(cfg)
     # Where ranks sit depends on the layouts: check the whole placement once they are valid, the file alone before.
     p += cluster_problems(cfg.placement) if p else placement_problems(cfg)
-    _raise(p, "run config")
+    raise_problems(p, "run config")

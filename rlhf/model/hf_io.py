@@ -8,6 +8,7 @@ config.json with `model_type: qwen3_moe`. In memory our model keeps experts stac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -18,8 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlhf.config.schema import DType, ModelConfig
+from rlhf.errors import ConfigError
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.schema import DType, ModelConfig
+from weight_sync.pieces import fill_buffers
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -247,11 +250,7 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
     local: dict[str, torch.Tensor] = {}
     for fname, pieces in by_file.items():
         with safe_open(str(d / fname), framework="pt") as f:
-            for p in pieces:
-                part = f.get_slice(p.param)[p.box.slices()]
-                if p.buffer not in local:
-                    local[p.buffer] = torch.empty(sharding.local_shapes[p.buffer], dtype=part.dtype)
-                local[p.buffer][p.buffer_slices()] = part
+            fill_buffers(pieces, sharding.local_shapes, lambda p: f.get_slice(p.param)[p.box.slices()], local)
     dtype = next(iter(local.values())).dtype if local else torch.float32
     for name, shape in sharding.local_shapes.items():  # a row shard with no rows (zero_stage=3, tiny dims)
         if name not in local and 0 in shape:
@@ -260,3 +259,25 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
     if missing:
         raise ValueError(f"{d}: no tensors for {sorted(missing)[:3]}")
     return local
+
+
+_NOT_SHAPE = {"name", "path", "architecture", "attention", "mla", "num_shared_experts",
+              "shared_expert_intermediate_size", "num_mtp_layers", "router_scoring"}
+
+
+def check_model_dir(model: ModelConfig) -> Path:
+    """The configured policy directory (`model.path`) exists and holds the configured shape."""
+    if model.path is None:
+        raise ConfigError("model.path = None: set it to an HF model directory, e.g. the output of `rlhf make-tiny`")
+    path = Path(model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path = {str(path)!r}: no HF model directory there; "
+                          f"create it with `rlhf make-tiny {path}` or point model.path at one")
+    on_disk = load_config(path)
+    clashes = [f"{f.name}: config {getattr(model, f.name)!r}, {path}/config.json {getattr(on_disk, f.name)!r}"
+               for f in dataclasses.fields(on_disk)
+               if f.name not in _NOT_SHAPE and getattr(on_disk, f.name) != getattr(model, f.name)]
+    if clashes:
+        raise ConfigError(f"model.path = {str(path)!r} holds another shape than the model config; "
+                          "fix the model YAML or the path:\n  " + "\n  ".join(clashes))
+    return path

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf.config.schema import Architecture, Attention as AttentionKind, ModelConfig
+from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig
 
 
 class RMSNorm(nn.Module):

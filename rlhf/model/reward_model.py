@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import (
     CONFIG_FILE, from_hf_tensors, hf_config, iter_safetensors, model_config_from_hf, save_pretrained,
 )

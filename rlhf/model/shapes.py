@@ -8,7 +8,7 @@ start from this table; for Qwen3-MoE it equals what `rlhf.model.hf_io` writes.
 
 from __future__ import annotations
 
-from rlhf.config.schema import Attention, ModelConfig, RouterScoring
+from rlhf.schema import Attention, ModelConfig, RouterScoring
 
 Shape = tuple[int, ...]
 

@@ -20,7 +20,7 @@ c = ceil(d0 / n): its own box of the HF tensor, so the resharding layer sends ea
 slices straight from the rank that owns them.
 
 `trainer_shard_spec` turns these rules into a `ShardSpec` in canonical HF names: the contract between
-the parallel trainer (which slices its parameters with `local_tensors`) and the resharding planner.
+the parallel trainer (which loads its slices with `weight_sync.pieces`) and the resharding planner.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping, Sequence
 
-from rlhf.config.schema import ModelConfig
-from weight_sync.layout import Layout, default_expert_map
+from rlhf.schema import ModelConfig
+from rlhf.layout import Layout, default_expert_map
 from rlhf.model.shapes import param_shapes
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
@@ -92,6 +92,9 @@ class TrainerSharding:
     rank: int
     local_shapes: dict[str, Shape]
     pieces: tuple[Piece, ...]
+
+    def buffer_shapes(self) -> dict[str, Shape]:
+        return self.local_shapes
 
 
 def _box(split: Split, shape: Shape, cfg: ModelConfig, t: int, tp: int) -> Box:
@@ -247,15 +250,3 @@ def trainer_shard_spec(cfg: ModelConfig, layout: Layout, expert_map: Sequence[in
             memo[key] = (tuple(buffers.items()), pieces)
         ranks.append(RankShards(rank_offset + r, *memo[key]))
     return ShardSpec(f"trainer {layout}", tuple(param_shapes(cfg).items()), tuple(ranks), cfg.dtype.value)
-
-
-def local_tensors(full_hf: Mapping[str, "object"], sharding: TrainerSharding):
-    """Build a rank's local parameters from full HF-named tensors, following its pieces exactly."""
-    import torch
-
-    local = {}
-    for name, shape in sharding.local_shapes.items():
-        local[name] = torch.empty(shape, dtype=next(iter(full_hf.values())).dtype)
-    for p in sharding.pieces:
-        local[p.buffer][p.buffer_slices()] = full_hf[p.param][p.box.slices()]
-    return local

@@ -3,7 +3,7 @@ offload/onload, recomputation, shard export and checkpoint state. A plain class;
 
 Every rank of the layout runs the same calls with the micro-batches of its DP index (TP ranks and
 pipeline stages of one DP index get the same micro-batches; every rank of a stage must run the same
-number of them, since EP all-to-alls span DP ranks: `rlhf.parallel.balance` arranges that).
+number of them, since EP all-to-alls span DP ranks: `rlhf.balance` arranges that).
 
 Legend: B batch, T tokens, V vocab.
 """
@@ -11,7 +11,6 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from rlhf.config.schema import ModelConfig, TrainerConfig
+from rlhf.batch import MicroBatch
+from rlhf.schema import ModelConfig, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.sharding import Split, TrainerSharding, rank_sharding, row_sharded, split_of
@@ -30,14 +30,7 @@ from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
 from rlhf.parallel.zero3 import RowShard, shard_parameters
-from weight_sync.layout import Layout, default_expert_map
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    extras: dict  # per-sample tensors the loss needs (advantages, old logprobs, loss mask, ...)
+from rlhf.layout import Layout, default_expert_map
 
 
 # (logp_BT, entropy_BT, micro-batch) -> scalar loss, already divided by the global normaliser

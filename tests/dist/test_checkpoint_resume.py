@@ -9,13 +9,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from rlhf import checkpoint as ckpt
-from rlhf.config.schema import ModelConfig, TrainerConfig
+from rlhf.schema import ModelConfig, TrainerConfig
 from rlhf.model.hf_io import iter_safetensors, load_pretrained, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.shapes import param_shapes
 from rlhf.parallel.launch import run_ranks
-from rlhf.parallel.trainer import MicroBatch, ParallelTrainer
-from weight_sync.layout import Layout
+from rlhf.batch import MicroBatch
+from rlhf.parallel.trainer import ParallelTrainer
+from rlhf.layout import Layout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

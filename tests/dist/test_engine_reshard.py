@@ -8,16 +8,17 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config import load_model_config
-from rlhf.config.schema import RolloutConfig
+from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import local_tensors, rank_sharding, trainer_shard_spec
+from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from weight_sync.pieces import local_tensors
 from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.trainer import token_logprobs
 from rlhf.parity import logprob_parity
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -4,12 +4,13 @@ offload/onload bit-exact, recomputation, shard export. At most 4 gloo processes 
 import pytest
 import torch
 
-from rlhf.config.schema import ModelConfig, TrainerConfig
+from rlhf.schema import ModelConfig, TrainerConfig
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks
-from rlhf.parallel.trainer import MicroBatch, ParallelTrainer, token_logprobs
-from weight_sync.layout import Layout
+from rlhf.batch import MicroBatch
+from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
+from rlhf.layout import Layout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

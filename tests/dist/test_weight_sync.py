@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import local_tensors, rank_sharding, trainer_shard_spec
+from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from weight_sync.pieces import local_tensors
 from rlhf.parallel.launch import run_ranks
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.p2p import ChecksumMismatch, run_plan
 from weight_sync.plan import Topology, plan_reshard
 

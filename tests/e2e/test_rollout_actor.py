@@ -8,7 +8,7 @@ import torch
 
 from actors.remote import RoleError, spawn
 from rlhf.config import load_model_config
-from rlhf.config.schema import RolloutConfig
+from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf.config import load_model_config
-from rlhf.config.schema import RolloutConfig
+from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM

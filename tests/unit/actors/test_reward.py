@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from actors.reward import RewardModelWorker, RuleRewardWorker
-from rlhf.config.schema import ModelConfig, RewardKind
+from rlhf.schema import ModelConfig, RewardKind
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.reward_model import Qwen3MoeRewardModel, load_reward_model, save_reward_model
 
 
 def test_exact_match_scores_the_leading_integer():
     out = RuleRewardWorker(RewardKind.exact_match).score(["12", "13", "no number"], ["12", "12", "12"])
-    assert out["scores"] == [1.0, 0.0, 0.0]
-    assert out["seconds"] >= 0 and out["start"] > 0
+    assert out.scores == [1.0, 0.0, 0.0]
+    assert out.seconds >= 0 and out.start > 0
 
 
 def test_math_verify_compares_symbolically_and_never_raises():
@@ -22,7 +22,7 @@ def test_math_verify_compares_symbolically_and_never_raises():
     w = RuleRewardWorker(RewardKind.math_verify)
     responses = ["The answer is $\\frac{1}{2}$.", "so \\boxed{0.5}", "$\\frac{1}{3}$", "}}{{\\frac{", ""]
     out = w.score(responses, ["0.5", "\\frac{1}{2}", "0.5", "0.5", "0.5"], prompts=["p"] * 5)
-    assert out["scores"] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert out.scores == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_a_rule_worker_refuses_the_model_kind():
@@ -48,23 +48,23 @@ def test_reward_model_worker_scores_prompt_plus_response(reward_dir):
     prompts = ["3+4=", "10-7=", "2*2=", "9+9="]
     responses = ["7", "3", "5 5 5 5 5 5 5 5", ""]
     out = w.score(responses, ["7", "3", "4", "18"], prompts=prompts)
-    assert len(out["scores"]) == 4
-    assert all(isinstance(s, float) and math.isfinite(s) for s in out["scores"])
-    assert out["seconds"] >= 0
+    assert len(out.scores) == 4
+    assert all(isinstance(s, float) and math.isfinite(s) for s in out.scores)
+    assert out.seconds >= 0
 
     # Each score is the model's on that text alone: batching, sorting and padding change nothing.
     model, tok = load_reward_model(reward_dir).eval(), w.tok
     with torch.no_grad():
         alone = [model(torch.tensor([tok.encode(p + r).ids])).item() for p, r in zip(prompts, responses)]
-    assert out["scores"] == pytest.approx(alone, abs=1e-5)
-    assert len(set(out["scores"])) == 4, "different texts should score differently"
+    assert out.scores == pytest.approx(alone, abs=1e-5)
+    assert len(set(out.scores)) == 4, "different texts should score differently"
     # The prompt is scored too; without prompts the response is scored alone.
-    assert w.score(responses, ["0"] * 4)["scores"] != pytest.approx(out["scores"], abs=1e-6)
+    assert w.score(responses, ["0"] * 4).scores != pytest.approx(out.scores, abs=1e-6)
 
 
 def test_reward_model_worker_cuts_long_texts(reward_dir):
     w = RewardModelWorker(str(reward_dir), max_tokens=5)
-    long, cut = w.score(["1" * 200, "1111"], ["", ""])["scores"]
+    long, cut = w.score(["1" * 200, "1111"], ["", ""]).scores
     assert long == pytest.approx(cut, abs=1e-5), "both are <bos> + 4 tokens after the cut"
 
 

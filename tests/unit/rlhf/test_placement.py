@@ -8,7 +8,7 @@ import pytest
 
 from rlhf.cli import main
 from rlhf.config import ConfigError, load_run_config
-from rlhf.config.schema import (
+from rlhf.schema import (
     AlgorithmConfig, DeviceType, PlacementConfig, RewardConfig, RewardKind, RolePlacement, RolloutConfig, RunConfig,
     TrainerConfig,
 )

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import ConfigError, load_run_config
-from rlhf.config.schema import ModelConfig
-from rlhf.evaluate import check_model_dir
+from rlhf.schema import ModelConfig
+from rlhf.model.hf_io import check_model_dir
 from rlhf.tiny import TinySpec, make_tiny
 
 QUICK = TinySpec(n_sft=400, n_train=40, n_heldout=16, max_sft_steps=6, eval_every=3, batch_size=16,
@@ -28,6 +28,6 @@ def test_run_refuses_a_policy_dir_of_another_shape(tmp_path):
     make_tiny(tmp_path / "p", CFG, QUICK, log=lambda m: None)
     cfg = load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'p'}"])
     with pytest.raises(ConfigError, match=r"hidden_size: config 96, .*config.json 32"):
-        check_model_dir(cfg)
+        check_model_dir(cfg.model)
     with pytest.raises(ConfigError, match="rlhf make-tiny"):
-        check_model_dir(load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'none'}"]))
+        check_model_dir(load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'none'}"]).model)

@@ -40,7 +40,7 @@ def _run_python(code: str, cwd: Path, extra_env: dict[str, str]) -> subprocess.C
 OFFLINE_RUN = """
     from pathlib import Path
     from rlhf.config.load import as_dict
-    from rlhf.config.schema import RunConfig, TrackingConfig
+    from rlhf.schema import RunConfig, TrackingConfig
     from rlhf.tracking import Trace, Tracker
 
     cfg = TrackingConfig(project="rlhf-test", run_name="unit", dir="out/wandb")
@@ -131,7 +131,7 @@ def test_wandb_keeps_stdout_clean(offline_run):
 def test_disabled_writes_nothing_and_never_imports_wandb(tmp_path):
     proc = _run_python("""
         import sys
-        from rlhf.config.schema import TrackingConfig, TrackingMode
+        from rlhf.schema import TrackingConfig, TrackingMode
         from rlhf.tracking import Tracker
         tracker = Tracker(TrackingConfig(mode=TrackingMode.disabled, dir="out/wandb"), {"seed": 0})
         tracker.log({"reward": 1.0}, step=0)
@@ -146,7 +146,7 @@ def test_disabled_writes_nothing_and_never_imports_wandb(tmp_path):
 
 def test_online_without_a_key_says_how_to_fix_it(tmp_path):
     proc = _run_python("""
-        from rlhf.config.schema import TrackingConfig, TrackingMode
+        from rlhf.schema import TrackingConfig, TrackingMode
         from rlhf.tracking import Tracker
         try:
             Tracker(TrackingConfig(mode=TrackingMode.online, dir="out/wandb"), {})

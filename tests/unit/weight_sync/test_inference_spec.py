@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import load_model_config
-from rlhf.config.schema import Attention, MLAConfig, ModelConfig, RouterScoring
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
+from rlhf.schema import Attention, MLAConfig, ModelConfig, RouterScoring
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
 from weight_sync.spec import Box, Piece
 
 MODELS = Path(__file__).resolve().parents[3] / "configs" / "model"

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.sharding import trainer_shard_spec
 from weight_sync.apply_local import apply_local
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 

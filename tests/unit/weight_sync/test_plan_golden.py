@@ -1,10 +1,10 @@
 """Golden plans on a one-layer model, written out as data: one line per transfer,
 "src_rank src_buffer@offset -> dst_rank dst_buffer@offset  param[global region]  [local]"."""
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.sharding import trainer_shard_spec
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.plan import Plan, Topology, plan_reshard
 
 # H=4, 2 heads of 2 (2 KV heads), 2 experts of FFN 2, vocabulary 6 (engines pad it to 64 rows).

@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from tiny_configs import gqa, mla
 
 from rlhf.model.shapes import param_shapes
-from rlhf.model.sharding import local_tensors, rank_sharding
+from rlhf.model.sharding import rank_sharding
+from weight_sync.pieces import local_tensors
 from weight_sync.apply_local import apply_local
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout, default_expert_map
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout, default_expert_map
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import ShardSpec
 from rlhf.model.sharding import trainer_shard_spec

@@ -9,8 +9,8 @@ import torch
 
 from rlhf.config import load_model_config
 from weight_sync import shm
-from weight_sync.engine_sync import SyncLayout
-from weight_sync.layout import Layout
+from rlhf.placement.transfer import SyncLayout
+from rlhf.layout import Layout
 from weight_sync.plan import Topology
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml"

@@ -7,7 +7,7 @@ from rlhf.algorithms.advantages import (
     grpo_advantages, nonzero_variance_groups, overlong_penalty, reinforce_pp_advantages,
 )
 from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, truncated_is_weights
-from rlhf.config.schema import KLEstimator, LossAggregation
+from rlhf.schema import KLEstimator, LossAggregation
 
 
 def test_grpo_advantages_by_hand():

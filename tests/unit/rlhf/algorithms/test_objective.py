@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhf.algorithms.objective import LossRecord, advantages, kl_reward_penalty, loss_normaliser, policy_loss
-from rlhf.config.schema import AlgorithmConfig, Estimator, LossAggregation
+from rlhf.schema import AlgorithmConfig, Estimator, LossAggregation
 
 
 def _batch(B=6, T=5, seed=0):

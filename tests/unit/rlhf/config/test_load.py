@@ -6,7 +6,7 @@ import pytest
 from rlhf.config import (
     ConfigError, ModelConfig, PlacementConfig, RunConfig, load_config, load_model_config, load_run_config,
 )
-from rlhf.config.schema import DeviceType, Estimator
+from rlhf.schema import DeviceType, Estimator
 
 CONFIGS = Path(__file__).resolve().parents[4] / "configs"
 

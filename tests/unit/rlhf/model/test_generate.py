@@ -1,6 +1,6 @@
 import torch
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.generate import greedy_generate
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from rlhf.config.schema import DType, ModelConfig
+from rlhf.schema import DType, ModelConfig
 from rlhf.model.hf_io import (
     INDEX_FILE, from_hf_tensors, iter_safetensors, load_config, load_pretrained, save_pretrained, to_hf_tensors,
 )

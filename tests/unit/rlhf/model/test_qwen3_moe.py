@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlhf.config.schema import Architecture, Attention, MLAConfig, ModelConfig
+from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlhf.config.schema import DType, ModelConfig
+from rlhf.schema import DType, ModelConfig
 from rlhf.model.hf_io import INDEX_FILE, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.reward_model import Qwen3MoeRewardModel, load_reward_model, save_reward_model

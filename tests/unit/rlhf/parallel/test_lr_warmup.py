@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf.config.schema import TrainerConfig
+from rlhf.schema import TrainerConfig
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.trainer import ParallelTrainer
 

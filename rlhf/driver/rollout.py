@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
-from rlhf.config.schema import RewardKind, RunConfig
+from rlhf.data.verifiers import RULES
+from rlhf.schema import RewardKind, RunConfig
 
 MAX_DRAWS = 4  # dynamic sampling: at most this many draws per step
 
@@ -72,8 +73,6 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
 def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     """Greedy accuracy of the engines' current weights on the held-out prompts, by the run's rule
     verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
-    from actors.reward import RULES
-
     rule = RULES.get(cfg.reward.kind, RULES[RewardKind.exact_match])
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0)

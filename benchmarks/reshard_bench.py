@@ -1,6 +1,6 @@
 """Resharding benchmark: plan a trainer -> engines weight sync and print one JSON line of its numbers.
 
-    python -m weight_sync.bench --simulate --topology cm384 \\
+    python -m benchmarks.reshard_bench --simulate --topology cm384 \\
         --model configs/model/pangu_ultra_moe_718b.yaml \\
         --src pp=12,dp=4,tp=8,ep=4,experts_over_tp_ep=1 --dst tp=4,ep=8,engines=12
 
@@ -10,9 +10,9 @@ makes their shared tensors local copies). `--simulate` plans only and reports th
 rank's network bytes over its link) as the simulated time, and as `baseline_seconds` the least any
 gather-then-broadcast sync takes there: every engine rank receiving the whole model over its link.
 Without it the plan runs over real gloo processes on this machine (one per rank of the transfer
-world), timed beside its measured floor and the gather-then-broadcast baseline (`weight_sync.bench_run`):
+world), timed beside its measured floor and the gather-then-broadcast baseline (`benchmarks.reshard_run`):
 
-    python -m weight_sync.bench --model configs/model/qwen3_moe_small.yaml --src pp=2,tp=2 --dst tp=1,ep=4,engines=1
+    python -m benchmarks.reshard_bench --model configs/model/qwen3_moe_small.yaml --src pp=2,tp=2 --dst tp=1,ep=4,engines=1
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 import time
 
 from rlhf.config import load_model_config
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.plan import Topology, plan_reshard
 from rlhf.model.sharding import trainer_shard_spec
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_model_config(args.model)
     src_layout, dst_layout = parse_layout(Layout, args.src), parse_layout(InferenceLayout, args.dst)
     if not args.simulate:
-        from weight_sync.bench_run import run_real
+        from benchmarks.reshard_run import run_real
 
         out = {"src": f"trainer {src_layout}", "dst": f"engines {dst_layout}", "model": cfg.name,
                "dst_rank_offset": args.dst_rank_offset}
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weight_sync.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reshard_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--simulate", action="store_true", help="plan only and report the floor at the topology's bandwidth")
     parser.add_argument("--bucket-mb", type=int, default=32, help="bucket size of the real run (MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of the real run (best is kept)")

@@ -1,13 +1,13 @@
-"""`python -m weight_sync.bench`: one JSON line with the plan's numbers; --simulate plans only."""
+"""`python -m benchmarks.reshard_bench`: one JSON line with the plan's numbers; --simulate plans only."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from weight_sync.bench import main, parse_layout
-from weight_sync.inference_spec import InferenceLayout
-from weight_sync.layout import Layout
+from benchmarks.reshard_bench import main, parse_layout
+from rlhf.model.engine_sharding import InferenceLayout
+from rlhf.layout import Layout
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
 
@@ -41,6 +41,6 @@ def test_pure_layer_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, weight_sync.plan, weight_sync.inference_spec, weight_sync.bench; "
+    code = ("import sys, weight_sync.plan, rlhf.model.engine_sharding, benchmarks.reshard_bench; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3]).returncode == 0

@@ -9,11 +9,11 @@ import torch
 
 from actors.reward import RuleRewardWorker
 from actors.vllm_engine import Completion
-from rlhf.config.schema import AlgorithmConfig, DataConfig, RewardKind, RolloutConfig, RunConfig
+from rlhf.schema import AlgorithmConfig, DataConfig, RewardKind, RolloutConfig, RunConfig
 from rlhf.data.prompts import PromptRow
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import build_tokenizer
-from rlhf.rollout import collect
+from rlhf.driver.rollout import collect
 
 TOK = build_tokenizer(32)
 
@@ -39,7 +39,7 @@ class StandInRoles:
         return out
 
     def score(self, responses, answers, prompts=None):
-        return self.reward.score(responses, answers, prompts)["scores"], []
+        return self.reward.score(responses, answers, prompts).scores, []
 
 
 def _rows():

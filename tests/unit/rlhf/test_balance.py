@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from rlhf.parallel.balance import balance, padded_cost
+from rlhf.balance import balance, padded_cost
 
 
 @pytest.mark.parametrize("lengths, dp, max_tokens", [

@@ -1,9 +1,9 @@
-"""`python -m weight_sync.bench` without --simulate runs the plan over real gloo processes."""
+"""`python -m benchmarks.reshard_bench` without --simulate runs the plan over real gloo processes."""
 
 import json
 from pathlib import Path
 
-from weight_sync.bench import main
+from benchmarks.reshard_bench import main
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "model" / "qwen3_moe_tiny.yaml")
 

@@ -7,45 +7,20 @@ length and generation throughput.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
-from pathlib import Path
 
-from rlhf.config.schema import RunConfig
-from rlhf.config.validate import ConfigError
+from actors.vllm_engine import VLLMEngine
 from rlhf.data.arithmetic import is_correct
 from rlhf.data.prompts import load_prompts
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.model.generate import greedy_generate
-from rlhf.model.hf_io import load_config, load_pretrained
-
-_NOT_SHAPE = {"name", "path", "architecture", "attention", "mla", "num_shared_experts",
-              "shared_expert_intermediate_size", "num_mtp_layers", "router_scoring"}
-
-
-def check_model_dir(cfg: RunConfig) -> Path:
-    """The configured policy directory exists and holds the configured shape."""
-    if cfg.model.path is None:
-        raise ConfigError("model.path = None: set it to an HF model directory, e.g. the output of `rlhf make-tiny`")
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path = {str(path)!r}: no HF model directory there; "
-                          f"create it with `rlhf make-tiny {path}` or point model.path at one")
-    on_disk = load_config(path)
-    clashes = [f"{f.name}: config {getattr(cfg.model, f.name)!r}, {path}/config.json {getattr(on_disk, f.name)!r}"
-               for f in dataclasses.fields(on_disk)
-               if f.name not in _NOT_SHAPE and getattr(on_disk, f.name) != getattr(cfg.model, f.name)]
-    if clashes:
-        raise ConfigError(f"model.path = {str(path)!r} holds another shape than the model config; "
-                          "fix the model YAML or the path:\n  " + "\n  ".join(clashes))
-    return path
+from rlhf.model.hf_io import check_model_dir, load_pretrained
+from rlhf.schema import RunConfig
 
 
 def evaluate(cfg: RunConfig, log=print) -> dict:
-    from actors.vllm_engine import VLLMEngine
-
-    model_dir = check_model_dir(cfg)
+    model_dir = check_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
     eos = cfg.model.eos_token_id
     heldout = load_prompts(cfg.data.heldout_files, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.skip_bad_rows)

@@ -1,4 +1,6 @@
-"""Parallel layouts: named degrees, rank <-> coordinates, and the groups of each axis. Pure.
+"""Parallel layouts of the trainer and of the rollout engines, and the rules a model shape must meet
+to be split by them. Pure: neither torch nor any transport; the trainer, the shard specs, the
+resharding planner, placement and config validation all read layouts from here.
 
 A training layout has the mesh axes `pp` (outermost), `dp`, `tp` (innermost: the ranks of one TP
 group are adjacent, so they sit on one node). World size is pp * dp * tp.
@@ -9,13 +11,21 @@ is a block of `expert_shards` consecutive f, so EP takes the ranks of a TP group
 ranks. `expert_shards` is `ep`, or `ep * tp` when experts are split over TP x EP. Ranks with the
 same position in different EP groups hold the same experts (the expert-replica group).
 
-`to_device_mesh` is the only torch call, imported lazily.
+An engine (`InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a multiple of tp). With
+ep > tp it runs vLLM's data-parallel attention over ep / tp groups of tp ranks; experts are split over
+all W ranks (whole experts), or, with ep == 1, every rank holds every expert with its FFN dim split over tp.
+
+`fit_problems` states once what a model shape needs from tp and ep (heads, KV heads, FFN sizes, experts,
+padded vocabulary); config validation reports its problems, shard specs raise the first one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from rlhf.errors import Problem, divisors
+from rlhf.schema import Attention, ModelConfig, RolloutConfig, TrainerConfig
 
 AXES = ("pp", "dp", "tp")
 
@@ -144,11 +154,6 @@ class Layout:
             start += n
         return tuple(out)
 
-    def to_device_mesh(self, device_type: str):
-        """A torch DeviceMesh with dims (pp, dp, tp); the process group must be initialised."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=AXES)
 
 
 def default_expert_map(num_experts: int, shards: int) -> tuple[int, ...]:
@@ -169,3 +174,115 @@ def check_expert_map(emap: Sequence[int], num_experts: int, shards: int) -> None
         counts[s] += 1
     if len(set(counts)) > 1:
         raise ValueError(f"expert map gives shards unequal expert counts {counts}; stacked expert buffers need equal ones")
+
+
+@dataclass(frozen=True)
+class InferenceLayout:
+    """Degrees of each rollout engine (tp, ep) and how many engines there are."""
+
+    tp: int
+    ep: int = 1
+    engines: int = 1
+    redundant_experts: int = 0  # vLLM EPLB's num_redundant_experts: extra physical experts per engine
+
+    def __post_init__(self):
+        for name in ("tp", "ep", "engines"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"inference layout {name}={v!r}: every degree must be an integer >= 1")
+        r = self.redundant_experts
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"inference layout redundant_experts={r!r}: must be an integer >= 0")
+        if r and self.ep == 1:
+            raise ValueError(f"inference layout redundant_experts={r} with ep=1: redundant experts replicate "
+                             f"experts across expert-parallel ranks; set ep > 1 or redundant_experts=0")
+        if self.ep > 1 and self.ep % self.tp:
+            raise ValueError(f"inference layout tp={self.tp} ep={self.ep}: ep must be 1 or a multiple of tp "
+                             f"(ep > tp runs data-parallel attention over ep / tp groups of tp ranks); "
+                             f"change ep or tp")
+
+    @property
+    def ranks_per_engine(self) -> int:
+        return self.tp if self.ep == 1 else self.ep
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_engine * self.engines
+
+    @property
+    def attention_dp(self) -> int:
+        """Data-parallel attention groups per engine."""
+        return self.ranks_per_engine // self.tp
+
+    def __str__(self) -> str:
+        return (f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "")
+                + (f"r{self.redundant_experts}" if self.redundant_experts else "") + ")")
+
+
+def trainer_layout(t: TrainerConfig) -> Layout:
+    """The training layout a trainer config describes (raises ValueError naming the clashing degrees)."""
+    return Layout(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep)
+
+
+def inference_layout(r: RolloutConfig) -> InferenceLayout:
+    """The engines' layout a rollout config describes."""
+    return InferenceLayout(tp=r.tp, ep=r.ep, engines=r.num_engines)
+
+
+# --- what a model shape needs from a layout ---
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary as vLLM pads it (a multiple of 64), which must split over tp."""
+    vp = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    if vp % tp:
+        raise ValueError(f"vocabulary {vocab_size} padded to {vp} (a multiple of {VOCAB_PADDING}, as vLLM pads it) "
+                         f"does not split over tp={tp}; choose tp dividing {vp}")
+    return vp
+
+
+def fit_problems(m: ModelConfig, section: str, tp: int, ep: int, experts_over_tp_ep: bool = False,
+                 engine: bool = False, redundant_experts: int = 0) -> list[Problem]:
+    """What the model shape `m` needs from a layout's tp and ep, each problem keyed `section.tp` or
+    `section.ep`. Trainer (`engine=False`): experts split whole over ep (or ep * tp); engines: whole
+    experts over ep when ep > 1, else every expert with its FFN dim split over tp, and the padded
+    vocabulary split over tp."""
+    if tp <= 0 or ep <= 0:
+        return [Problem(f"{section}.{'tp' if tp <= 0 else 'ep'}", tp if tp <= 0 else ep, "must be >= 1")]
+    p: list[Problem] = []
+    tkey, ekey = f"{section}.tp", f"{section}.ep"
+    N, K = m.num_attention_heads, m.num_key_value_heads
+    if N % tp:
+        p.append(Problem(tkey, tp, f"tp={tp} must divide the {N} attention heads (model.num_attention_heads={N}); "
+                                   f"choose one of {divisors(N)}"))
+    if m.attention is Attention.gqa and K % tp and tp % K:
+        p.append(Problem(tkey, tp, f"must divide or be a multiple of model.num_key_value_heads={K} (KV heads are "
+                                   f"split or replicated)"))
+    if m.first_k_dense_layers and m.intermediate_size % tp:
+        p.append(Problem(tkey, tp, f"must divide model.intermediate_size={m.intermediate_size} (dense-first MLPs "
+                                   f"are split over tp)"))
+    shared = m.num_shared_experts * m.shared_expert_intermediate_size
+    if shared and shared % tp:
+        p.append(Problem(tkey, tp, f"must divide the shared experts' intermediate size {shared}"))
+    E = m.num_experts
+    if engine and ep == 1:
+        if m.moe_intermediate_size % tp:
+            p.append(Problem(tkey, tp, f"must divide model.moe_intermediate_size={m.moe_intermediate_size} "
+                                       f"(with ep=1 every engine rank holds every expert, split over tp)"))
+    else:
+        shards = ep * tp if experts_over_tp_ep else ep
+        slots = E + redundant_experts
+        if slots % shards:
+            what = f"ep * tp = {ep} * {tp}" if experts_over_tp_ep else f"ep={ep}"
+            held = (f"the {E} + {redundant_experts} redundant = {slots} physical experts" if redundant_experts
+                    else f"the {E} experts")
+            p.append(Problem(ekey, ep, f"{what} must divide {held} (model.num_experts={E}); choose ep so that it "
+                                       f"does, e.g. one of {divisors(slots)}"))
+    if engine:
+        try:
+            padded_vocab(m.vocab_size, tp)
+        except ValueError as e:
+            p.append(Problem(tkey, tp, str(e)))
+    return p

@@ -1,7 +1,8 @@
-"""The rollout engines' side of a weight sync: `InferenceLayout` and the shard spec of vLLM's buffers. Pure.
+"""How a vLLM engine shards the model, declared as data: the shard spec of each engine rank's buffers, in
+HF names. Pure. The other side of a weight sync from `rlhf.model.sharding` (the trainer's).
 
-One engine has W ranks: W = tp when ep == 1, else W = ep (ep a multiple of tp). With ep > tp the engine
-runs vLLM's data-parallel attention: ep / tp groups of tp consecutive ranks, each group holding the
+One engine (`rlhf.layout.InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a multiple
+of tp). With ep > tp the engine runs vLLM's data-parallel attention: ep / tp groups of tp consecutive ranks, each group holding the
 attention, dense MLPs, shared experts, norms and vocabulary split over its tp ranks; the routed
 experts are split over all W ranks by an expert map (whole experts, as vLLM's expert parallelism
 does). With ep == 1 every rank holds all experts with the intermediate dim split over tp.
@@ -37,95 +38,14 @@ Engines are independent replicas: engine k's ranks follow engine k-1's, from `ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from rlhf.config.schema import Attention, ModelConfig, RouterScoring
+from rlhf.schema import Attention, ModelConfig, RouterScoring
 from rlhf.model.shapes import param_shapes
-from weight_sync.layout import check_expert_map
+from rlhf.layout import InferenceLayout, check_expert_map, fit_problems, padded_vocab
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
 Shape = tuple[int, ...]
-
-VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-
-
-@dataclass(frozen=True)
-class InferenceLayout:
-    """Degrees of each rollout engine (tp, ep) and how many engines there are."""
-
-    tp: int
-    ep: int = 1
-    engines: int = 1
-    redundant_experts: int = 0  # vLLM EPLB's num_redundant_experts: extra physical experts per engine
-
-    def __post_init__(self):
-        for name in ("tp", "ep", "engines"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"inference layout {name}={v!r}: every degree must be an integer >= 1")
-        r = self.redundant_experts
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ValueError(f"inference layout redundant_experts={r!r}: must be an integer >= 0")
-        if r and self.ep == 1:
-            raise ValueError(f"inference layout redundant_experts={r} with ep=1: redundant experts replicate "
-                             f"experts across expert-parallel ranks; set ep > 1 or redundant_experts=0")
-        if self.ep > 1 and self.ep % self.tp:
-            raise ValueError(f"inference layout tp={self.tp} ep={self.ep}: ep must be 1 or a multiple of tp "
-                             f"(ep > tp runs data-parallel attention over ep / tp groups of tp ranks); "
-                             f"change ep or tp")
-
-    @property
-    def ranks_per_engine(self) -> int:
-        return self.tp if self.ep == 1 else self.ep
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks_per_engine * self.engines
-
-    @property
-    def attention_dp(self) -> int:
-        """Data-parallel attention groups per engine."""
-        return self.ranks_per_engine // self.tp
-
-    def __str__(self) -> str:
-        return (f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "")
-                + (f"r{self.redundant_experts}" if self.redundant_experts else "") + ")")
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    vp = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    if vp % tp:
-        raise ValueError(f"vocabulary {vocab_size} padded to {vp} (a multiple of {VOCAB_PADDING}, as vLLM pads it) "
-                         f"does not split over tp={tp}; choose tp dividing {vp}")
-    return vp
-
-
-def _need(ok: bool, what: str, layout: InferenceLayout, cfg: ModelConfig) -> None:
-    if not ok:
-        raise ValueError(f"inference layout tp={layout.tp} ep={layout.ep} does not fit model {cfg.name}: {what}")
-
-
-def _check_fits(cfg: ModelConfig, lay: InferenceLayout) -> None:
-    tp, N, K = lay.tp, cfg.num_attention_heads, cfg.num_key_value_heads
-    _need(N % tp == 0, f"tp={tp} must divide the {N} attention heads", lay, cfg)
-    if cfg.attention is Attention.gqa:
-        _need(K % tp == 0 if tp <= K else tp % K == 0,
-              f"tp={tp} must divide the {K} KV heads, or be a multiple of them", lay, cfg)
-    if cfg.first_k_dense_layers:
-        _need(cfg.intermediate_size % tp == 0, f"tp={tp} must divide intermediate_size={cfg.intermediate_size}",
-              lay, cfg)
-    if cfg.num_shared_experts:
-        Is = cfg.num_shared_experts * cfg.shared_expert_intermediate_size
-        _need(Is % tp == 0, f"tp={tp} must divide the shared experts' intermediate size {Is}", lay, cfg)
-    if lay.ep == 1:
-        I = cfg.moe_intermediate_size
-        _need(I % tp == 0, f"tp={tp} must divide moe_intermediate_size={I} (experts split over tp)", lay, cfg)
-    else:
-        E, R = cfg.num_experts, lay.redundant_experts
-        _need((E + R) % lay.ep == 0, f"ep={lay.ep} must divide the {E} experts" if not R else
-              f"ep={lay.ep} must divide the {E} + {R} redundant = {E + R} physical experts", lay, cfg)
-    padded_vocab(cfg.vocab_size, tp)
 
 
 class _RankBuilder:
@@ -277,7 +197,10 @@ def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: in
     physical-to-logical map), one list for every MoE layer or a dict layer -> list (EPLB balances each
     layer apart); default: experts 0..E-1, then 0..R-1 again. `include_mtp`: the engines hold
     the MTP modules (speculative decoding); without it the spec lists neither their tensors nor pieces."""
-    _check_fits(cfg, layout)
+    problems = fit_problems(cfg, "rollout", layout.tp, layout.ep, engine=True,
+                            redundant_experts=layout.redundant_experts)
+    if problems:
+        raise ValueError(f"inference layout tp={layout.tp} ep={layout.ep} does not fit model {cfg.name}: {problems[0]}")
     mtp = cfg.num_mtp_layers if include_mtp else 0
     physical = _physical_experts(cfg, layout, expert_map, physical_experts, cfg.num_hidden_layers + mtp)
     shapes = param_shapes(cfg)

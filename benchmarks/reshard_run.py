@@ -1,4 +1,4 @@
-"""The measured half of `python -m weight_sync.bench` (without --simulate): the plan run over real gloo
+"""The measured half of `python -m benchmarks.reshard_bench` (without --simulate): the plan run over real gloo
 processes on this machine, beside its floor and the gather-then-broadcast baseline, in one run.
 
 One process per rank of the transfer world (trainer ranks 0..N-1; engine ranks from the offset, so
@@ -21,12 +21,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import ModelConfig
+from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import to_hf_tensors, torch_dtype
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import local_tensors, rank_sharding, trainer_shard_spec
-from weight_sync.inference_spec import InferenceLayout, engine_shard_spec
-from weight_sync.layout import Layout
+from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from weight_sync.pieces import local_tensors
+from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
+from rlhf.layout import Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Plan, Topology, plan_reshard
 

@@ -1,0 +1,92 @@
+"""What the roles answer the driver: one small dataclass per call, so a renamed field fails where it is
+read (a unit test of the driver's metrics), not in an end-to-end run. Plain values and CPU tensors
+only; every reply carries when its work started and how long it took (`start`, `seconds`: the trace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogprobsReply:
+    """Per-token logprobs and entropies [rows, T-1] of one DP index's samples (`rows`: their batch rows)."""
+
+    rows: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """One trainer rank's policy update: token-weighted sums over its micro-batches, and the step's
+    loss, gradient norm and learning rate (the same on every rank)."""
+
+    loss: float
+    grad_norm: float
+    optimizer_steps: int
+    lr: float
+    clip_fraction: float
+    ratio_mean: float
+    kl: float
+    entropy: float
+    tokens: float
+
+
+@dataclass(frozen=True)
+class UpdateReply:
+    stats: UpdateStats
+    router: Optional[list]  # tokens per expert per MoE layer of the stage ([layers][experts]); one rank per stage
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SendReply:
+    """A trainer rank's side of a weight sync."""
+
+    bytes_sent: int
+    bytes_shm_sent: int
+    bytes_local: int
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReceiveReply:
+    """An engine's side of a weight sync: what arrived, how (network, shared memory, in place), the
+    transfers checksummed, and the time to receive and to install."""
+
+    version: int
+    bytes_received: int
+    bytes_shm: int
+    bytes_in_place: int
+    checked_transfers: int
+    transfer_seconds: float
+    install_seconds: float
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SyncReplies:
+    """Every rank's reply to one weight sync."""
+
+    sends: list[SendReply]  # trainer ranks, in rank order
+    receives: list[ReceiveReply]  # engines, in engine order
+
+    @property
+    def seconds(self) -> float:
+        return max(r.seconds for r in [*self.sends, *self.receives])
+
+
+@dataclass(frozen=True)
+class ScoreReply:
+    scores: list[float]
+    start: float
+    seconds: float

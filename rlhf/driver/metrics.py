@@ -1,0 +1,76 @@
+"""A step's metrics (W&B names) from what the roles answered: rollout, update, weight sync, switches.
+
+Legend: P prompts, G samples per prompt, B samples, T tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.replies import SyncReplies, UpdateReply
+from rlhf.batch import TokenBatch
+from rlhf.driver.rollout import Rollout
+from rlhf.parity import Parity
+from weight_sync.plan import Plan, Topology
+
+
+def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parity: Parity,
+                 updates: list[UpdateReply], sync: SyncReplies, plan: Plan, topology: Topology,
+                 seconds: float, switch_bytes: dict[str, int]) -> dict[str, float]:
+    """Every metric of one step but the driver's phase times and the held-out accuracy."""
+    sync_s = sync.seconds
+    lengths = torch.tensor([len(c.token_ids) for c in ro.completions], dtype=torch.float32)
+    receives = sync.receives
+    m = {
+        "reward/mean": float(ro.rewards_PG.mean()), "reward/std": float(ro.rewards_PG.std()),
+        "accuracy/train": float(ro.scores_PG.mean()),
+        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/truncated_fraction": sum(c.finish_reason == "length" for c in ro.completions) / len(ro.completions),
+        "rollout/groups_drawn": ro.groups_drawn, "rollout/groups_kept": len(ro.rows),
+        "actor/entropy_old": float((entropy_BT * batch.mask_BT).sum() / batch.mask_BT.sum()),
+        "parity/max_abs_diff": parity.max_abs_diff, "parity/mean_abs_diff": parity.mean_abs_diff,
+        "time/generate": ro.generate_seconds, "time/reward": ro.reward_seconds, "time/step": seconds,
+        "time/sync": sync_s, "time/sync_transfer": max(r.transfer_seconds for r in receives),
+        "time/sync_install": max(r.install_seconds for r in receives),
+        "time/update": max(u.seconds for u in updates),
+        "sync/bytes_minimal": plan.bytes_minimal, "sync/bytes_network": plan.bytes_network,
+        "sync/bytes_local": plan.bytes_local,
+        "sync/bytes_received": sum(r.bytes_received for r in receives),
+        "sync/bytes_shm": sum(r.bytes_shm for r in receives),
+        "sync/bytes_in_place": sum(r.bytes_in_place for r in receives),
+        "sync/bytes_sent": sum(r.bytes_sent for r in sync.sends),
+        "sync/gb_per_s": plan.bytes_network / max(sync_s, 1e-9) / 1e9,
+        "sync/floor_seconds": plan.floor_seconds(topology),
+        "sync/checked_transfers": sum(r.checked_transfers for r in receives),
+        "sync/version": receives[0].version,
+        "throughput/generate_tokens_per_s": ro.generated_tokens / max(ro.generate_seconds, 1e-9),
+        "throughput/step_tokens_per_s": float(batch.attention_mask_BT.sum()) / seconds,
+        "offload/bytes": switch_bytes.get("offload", 0), "onload/bytes": switch_bytes.get("onload", 0),
+    }
+    m.update(update_metrics(updates))
+    m.update(expert_load(updates))
+    return m
+
+
+def update_metrics(updates: list[UpdateReply]) -> dict[str, float]:
+    """Combine the trainer ranks' token-weighted sums; each DP index counted once (TP / PP copies agree)."""
+    per_rank = [u.stats for u in updates]
+    tokens = sum(s.tokens for s in per_rank) or 1.0
+    out = {f"actor/{k}": sum(getattr(s, k) * s.tokens for s in per_rank) / tokens
+           for k in ("clip_fraction", "ratio_mean", "kl", "entropy")}
+    first = per_rank[0]
+    out |= {"actor/loss": first.loss, "actor/grad_norm": first.grad_norm,
+            "actor/optimizer_steps": first.optimizer_steps, "actor/lr": first.lr}
+    return out
+
+
+def expert_load(updates: list[UpdateReply]) -> dict[str, float]:
+    """Per MoE layer: tokens of the busiest expert over the mean (1.0 is perfectly balanced)."""
+    stats = [u.router for u in updates if u.router]
+    if not stats:
+        return {}
+    load = torch.tensor(stats[0], dtype=torch.float64)
+    out = {f"expert_load/layer{i}_max_over_mean": float(row.max() / row.mean().clamp(min=1e-9))
+           for i, row in enumerate(load)}
+    out["expert_load/max_over_mean"] = max(out.values())
+    return out

@@ -1,0 +1,274 @@
+"""A run's state around the loop: its inputs, checked before any actor starts (`RunInputs`), and the run
+itself (`Run`): roles, phases and their timing, co-location switches, evaluation, checkpoints, the
+step's record and the final result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from actors.replies import SyncReplies, UpdateReply
+from actors.roles import Roles, connect
+from rlhf.batch import TokenBatch
+from rlhf.checkpoint import commit, export_hf, prune, resolve_resume, rng_state, set_rng_state, step_dir
+from rlhf.config.load import as_dict
+from rlhf.data.prompts import PromptRow, load_prompts
+from rlhf.data.sampler import PromptSampler
+from rlhf.data.tokenizer import load_tokenizer
+from rlhf.driver.metrics import step_metrics
+from rlhf.driver.rollout import Rollout, heldout_accuracy
+from rlhf.model.hf_io import check_model_dir
+from rlhf.parity import Parity
+from rlhf.placement import DeviceMap, device_map
+from rlhf.placement.transfer import SyncLayout, sync_devices, sync_layout
+from rlhf.schema import DeviceType, RunConfig
+from rlhf.tracking import Progress, Trace, Tracker
+from weight_sync.plan import Plan
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything a run reads or decides before any actor starts; `prepare` fails on any bad input."""
+
+    model_dir: str
+    device_map: DeviceMap
+    tokenizer: object  # tokenizers.Tokenizer
+    sampler: PromptSampler
+    heldout: list[PromptRow]
+    sync: SyncLayout
+    plan: Plan  # the weight-sync plan, validated
+    same_device: frozenset[tuple[int, int]]  # transfer-rank pairs on one device: through shared memory
+    resume_dir: Optional[Path]
+    out: Path
+
+    @staticmethod
+    def prepare(cfg: RunConfig, log: Log) -> "RunInputs":
+        model_dir = str(check_model_dir(cfg.model))
+        dm = device_map(cfg)
+        d = cfg.data
+        train_rows = load_prompts(d.train_files, d.prompt_key, d.answer_key, d.skip_bad_rows)
+        heldout = load_prompts(d.heldout_files, d.prompt_key, d.answer_key, d.skip_bad_rows).rows
+        resume_dir = resolve_resume(Path(cfg.checkpoint.dir), cfg.checkpoint.resume)
+        sync = sync_layout(cfg, dm)
+        plan = sync.plan()  # validated before any actor starts
+        # Co-located trainer ranks and engine hosts exchange through shared memory (cpu; the CUDA / NPU IPC
+        # path of weight_sync.shm is not yet tested on devices, so there the group carries everything).
+        same_device = sync.same_device_pairs(sync_devices(dm)) if dm.device_type is DeviceType.cpu else frozenset()
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # set by `ray job submit` for the job's driver
+            rel = [k for k, v in (("output_dir", cfg.output_dir), ("tracking.dir", cfg.tracking.dir),
+                                  ("checkpoint.dir", cfg.checkpoint.dir)) if not Path(v).is_absolute()]
+            if rel:
+                log(f"warning: {', '.join(rel)} relative in a Ray job: written into the job's temporary copy of "
+                    "the working dir and lost when it ends; pass absolute paths")
+        return RunInputs(model_dir, dm, load_tokenizer(model_dir),
+                         PromptSampler(train_rows.rows, d.prompts_per_step, cfg.seed, d.shuffle), heldout, sync,
+                         plan, same_device, resume_dir, out)
+
+
+@dataclass
+class Run:
+    """One run: its inputs, its roles once started, and what it has done so far."""
+
+    cfg: RunConfig
+    inputs: RunInputs
+    log: Log
+    tracker: Tracker
+    roles: Optional[Roles] = None
+    ray_owned: bool = False  # this process started Ray, so it stops it
+    step: int = 0  # the last step done (the weights' version)
+    progress: Optional[Progress] = None
+    history: list[dict] = field(default_factory=list)  # a few metrics per step, for the result
+    accuracy: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out accuracy)
+    parity_violations: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # this step's driver phases
+    switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
+    last_checkpoint: Optional[Path] = None
+    t0: float = field(default_factory=time.time)
+
+    @staticmethod
+    def start(cfg: RunConfig, log: Log) -> "Run":
+        """Check every input, then start Ray and the roles (stopped again if anything fails)."""
+        inputs = RunInputs.prepare(cfg, log)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        tracker = Tracker(cfg.tracking, as_dict(cfg))
+        tracker.trace = Trace(inputs.out / "trace.json", enabled=cfg.tracking.trace)
+        run = Run(cfg, inputs, log, tracker)
+        try:
+            run.ray_owned = connect(cfg.placement, log)
+            with run.phase("start roles", 0):
+                run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
+            if inputs.resume_dir is not None:
+                run._resume(inputs.resume_dir)
+        except BaseException:  # an actor that failed to start: stop what did start, and Ray if we started it
+            run.close(failed=True)
+            raise
+        run.progress = Progress(cfg.steps, start_step=run.step)
+        dm = inputs.device_map
+        log(f"train: {cfg.steps} steps from step {run.step}; trainer {inputs.sync.trainer} on devices "
+            f"{dm.devices_of('trainer')}, {cfg.rollout.num_engines} engine(s) on {dm.devices_of('rollout')}; "
+            f"sync plan {inputs.plan.bytes_minimal / 1e6:.2f} MB per step")
+        return run
+
+    # --- pieces of a step ---
+    @contextmanager
+    def phase(self, name: str, step: int):
+        """Time a driver phase: a trace event and the step's `time/<phase>` metric."""
+        t0 = time.time()
+        with self.tracker.trace.phase(name, "driver", step):
+            yield
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.time() - t0
+
+    def put(self, obj):
+        import ray
+
+        return ray.put(obj)
+
+    def token_batch(self, ro: Rollout) -> TokenBatch:
+        G = self.cfg.algorithm.group_size
+        prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
+        return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
+                                       [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
+                                       self.cfg.rollout.temperature)
+
+    def mini_batches(self, n: int, step: int) -> list[list[int]]:
+        """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""
+        order = list(range(n))
+        random.Random(self.cfg.seed * 7919 + step).shuffle(order)
+        size = min(self.cfg.trainer.mini_batch_size, n)
+        return [order[i:i + size] for i in range(0, n, size)]
+
+    def switch(self, engine_method: str, trainer_method: str) -> None:
+        """Co-location: engines sleep / wake, trainer and reference onload / offload."""
+        roles = self.roles
+        roles.all(roles.engines, engine_method)
+        moved = roles.all(roles.trainer, trainer_method)
+        if trainer_method == "offload" and roles.reference:
+            moved += roles.all(roles.reference, "offload")
+        self.switch_bytes[trainer_method] = sum(moved)
+
+    def reference_logprobs(self, batch: TokenBatch, step: int):
+        if not self.roles.reference:
+            return None
+        with self.phase("reference logprobs", step):
+            ref_logp, _, replies = self.roles.logprobs(self.roles.reference, self.put(batch))
+        self.roles.all(self.roles.reference, "offload")
+        self.trace_ranks("reference logprobs", self.roles.reference, replies, step)
+        return ref_logp
+
+    def trace_ranks(self, name: str, group, replies, step: int) -> None:
+        dm = self.inputs.device_map
+        for h, rep in zip(group, replies):
+            if rep is not None:
+                dev = dm.devices_of(h.role)[h.rank * (dm.ranks_per_engine if h.role == "rollout" else 1)]
+                self.tracker.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep.start, rep.seconds, step)
+
+    def evaluate(self, step: int) -> float:
+        with self.phase("evaluate", step):
+            acc = heldout_accuracy(self.cfg, self.roles, self.inputs.tokenizer, self.inputs.heldout)
+        self.accuracy.append((step, acc))
+        self.log(f"step {step}: held-out greedy accuracy {acc:.3f} ({len(self.inputs.heldout)} prompts)")
+        return acc
+
+    # --- checkpoints ---
+    def checkpoint(self, step: int, force: bool = False) -> Path | None:
+        c = self.cfg.checkpoint
+        if not force and not (c.every_steps and step % c.every_steps == 0):
+            return None
+        d = step_dir(Path(c.dir), step)
+        with self.phase("checkpoint", step):
+            self.roles.all(self.roles.trainer, "save", str(d))
+            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state()})
+            prune(Path(c.dir), c.keep_last)
+        self.last_checkpoint = d
+        return d
+
+    def _resume(self, d: Path) -> None:
+        state = json.loads((d / "driver.json").read_text())
+        self.roles.all(self.roles.trainer, "load", str(d))
+        self.inputs.sampler.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        # the engines serve the resumed weights
+        self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)
+        self.roles.all(self.roles.trainer, "offload")
+        self.log(f"resumed from {d} at step {self.step}")
+
+    # --- metrics ---
+    def record(self, step: int, ro: Rollout, batch: TokenBatch, entropy: torch.Tensor, parity: Parity,
+               updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float) -> None:
+        cfg = self.cfg
+        self.step = step
+        if parity.max_abs_diff > cfg.rollout.parity_max_abs:
+            self.parity_violations += 1
+            self.log(f"step {step}: trainer/engine logprob parity {parity.max_abs_diff:.2e} exceeds "
+                     f"rollout.parity_max_abs={cfg.rollout.parity_max_abs:g}")
+        m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, self.inputs.sync.topology,
+                         seconds, self.switch_bytes)
+        m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
+        self.phase_seconds = {}
+        if acc is not None:
+            m["accuracy/heldout"] = acc
+        self.tracker.log(m, step)
+        self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
+                                               "parity/mean_abs_diff", "time/step",
+                                               "time/sync", "sync/bytes_received", "sync/bytes_shm")} | {"step": step})
+        self.progress.update(step, {"reward": m["reward/mean"], "acc": acc if acc is not None else float("nan"),
+                                    "sync_MB": (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6})
+
+    def finish(self, acc_start: float) -> dict:
+        cfg = self.cfg
+        hf_dir = None
+        if cfg.checkpoint.export_hf and self.history:
+            d = self.last_checkpoint
+            if d is None or not str(d).endswith(f"{self.step:06d}"):
+                d = self.checkpoint(self.step, force=True)
+            hf_dir = str(self.inputs.out / "hf")
+            export_hf(d, cfg.model, hf_dir, tokenizer_dir=self.inputs.model_dir)
+        self.progress.close()
+        trace = self.tracker.trace.save()
+        wandb_dir = self.tracker.finish()
+        self.close()
+        rewards = [h["reward/mean"] for h in self.history]
+        k = max(1, len(rewards) // 4)
+        result = {
+            "steps": cfg.steps, "steps_run": len(self.history),
+            "heldout_accuracy_start": acc_start, "heldout_accuracy_end": self.accuracy[-1][1],
+            "heldout_accuracy_history": self.accuracy,
+            "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
+            "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
+            "parity_max_abs_diff": max((h["parity/max_abs_diff"] for h in self.history), default=None),
+            "parity_mean_abs_diff_max": max((h["parity/mean_abs_diff"] for h in self.history), default=None),
+            "parity_violations": self.parity_violations,
+            "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
+            "seconds": round(time.time() - self.t0, 1),
+            "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        }
+        (self.inputs.out / "result.json").write_text(json.dumps(result, indent=1))
+        return result
+
+    def close(self, failed: bool = False) -> None:
+        if failed:
+            self.tracker.finish(exit_code=1)  # the W&B run is marked failed (finish is idempotent)
+        if self.roles is not None:
+            self.roles.shutdown()
+            self.roles = None
+        if self.ray_owned:
+            import ray
+
+            ray.shutdown()
+            self.ray_owned = False

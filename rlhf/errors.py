@@ -1,0 +1,32 @@
+"""What every configuration check reports: a `Problem` (key, value seen, what to change) and the
+`ConfigError` that carries all problems of a config at once. Pure; imports nothing of ours."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot use. The message says what to change."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    value: object
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r}: {self.fix}"
+
+
+def raise_problems(problems: Sequence[Problem], what: str) -> None:
+    """Raise one ConfigError listing every problem (nothing when there is none)."""
+    if problems:
+        lines = "\n  ".join(str(p) for p in problems)
+        raise ConfigError(f"invalid {what} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  {lines}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []

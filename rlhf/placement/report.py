@@ -1,0 +1,163 @@
+"""The `rlhf plan` report: the device map, the memory estimate and the weight-sync plan of a run, as lines
+for the console and one summary dict. Plans the sync (seconds for a 718B model); starts nothing. Pure."""
+
+from __future__ import annotations
+
+import time
+
+from rlhf.layout import InferenceLayout, Layout, inference_layout, trainer_layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.model.sharding import trainer_shard_spec
+from rlhf.placement.device_map import DeviceMap, device_map
+from rlhf.placement.devices import abbreviate, format_devices
+from rlhf.placement.memory import GIB, memory_estimate, memory_notes
+from rlhf.placement.ray_slots import placement_bundles
+from rlhf.placement.transfer import transfer_devices, transfer_topology
+from rlhf.schema import RunConfig
+from weight_sync.plan import plan_reshard
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
+
+
+def _label(cfg: RunConfig, lay: Layout, il: InferenceLayout, role: str, rank: int) -> str:
+    E = cfg.model.num_experts
+    if role in ("trainer", "reference"):
+        c = lay.coords(rank)
+        experts = lay.experts(rank, E)
+        where = f"pp{c.pp} dp{c.dp} tp{c.tp}" + (f", experts {format_devices(experts)}" if len(experts) < E else "")
+        return f"{role} r{rank} ({where})"
+    if role == "rollout":
+        k, i = divmod(rank, il.ranks_per_engine)
+        where = (f"dp{i // il.tp} " if il.attention_dp > 1 else "") + f"tp{i % il.tp}"
+        if il.ep > 1:
+            per = E // il.ep
+            where += f", experts {i * per}-{(i + 1) * per - 1}"
+        return f"rollout e{k} r{i} ({where})"
+    return f"{role} w{rank}"
+
+
+def _role_line(cfg: RunConfig, dm: DeviceMap, lay: Layout, il: InferenceLayout, role: str) -> str:
+    if role in ("trainer", "reference"):
+        what = f"{lay.world_size} ranks, {lay}"
+    elif role == "rollout":
+        W = il.ranks_per_engine
+        what = (f"{il.engines} engine{'s' * (il.engines > 1)} x {W} rank{'s' * (W > 1)} (tp{il.tp}"
+                + (f" ep{il.ep}" if il.ep > 1 else "") + ")")
+    else:
+        what = f"{cfg.reward.workers} worker{'s' * (cfg.reward.workers > 1)} ({cfg.reward.kind.value})"
+    devices = dm.devices_of(role)
+    if not devices:
+        return f"  {role:<9} {what}: CPU-only actors, no device"
+    nodes = sorted({dm.node_of(d) for d in devices})
+    return (f"  {role:<9} {what}: device{'s' * (len(devices) > 1)} {abbreviate(devices)} "
+            f"(node{'s' * (len(nodes) > 1)} {abbreviate(nodes)})")
+
+
+def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int = 16) -> tuple[list[str], dict]:
+    """Lines describing the device map, the memory estimate and the weight-sync plan, and a summary dict
+    (the JSON line of `rlhf plan`). Devices are listed one by one up to `detail_up_to` used devices, grouped
+    beyond. Plans the sync (seconds for a 718B model); starts nothing."""
+
+    dm = dm if dm is not None else device_map(cfg)
+    p, m = cfg.placement, cfg.model
+    lay, il = trainer_layout(cfg.trainer), inference_layout(cfg.rollout)
+    W = lay.world_size
+    src = trainer_shard_spec(m, lay, zero_stage=cfg.trainer.zero_stage)
+    dst = engine_shard_spec(m, il, rank_offset=W)
+    memory = memory_estimate(cfg, dm, src, dst)
+    topology = transfer_topology(cfg, dm)
+    t0 = time.perf_counter()
+    plan = plan_reshard(src, dst, topology)
+    plan_seconds = time.perf_counter() - t0
+    summary = plan.summary(topology)
+
+    fabric = (f"fabric domains of {p.nodes_per_fabric} nodes at {p.fabric_gbytes_per_s:g} GB/s per device, "
+              f"{p.cross_fabric_gbytes_per_s:g} GB/s across" if p.nodes_per_fabric and p.nodes_per_fabric < p.nodes
+              else f"one fabric domain at {p.fabric_gbytes_per_s:g} GB/s per device per direction")
+    bundle = ", ".join(f"{v:g} {k}" for k, v in placement_bundles(p)[0][0].items())
+    lines = [f"cluster: {p.nodes} node{'s' * (p.nodes > 1)} x {p.devices_per_node} {p.device_type.value} devices "
+             f"= {dm.num_devices} ({fabric}); Ray bundle per device: {bundle}",
+             f"roles (defaults for unlisted roles: colocate = {str(p.colocate).lower()}):"]
+    lines += [_role_line(cfg, dm, lay, il, role) for role in dm.role_names]
+
+    used = dm.used_devices()
+    label = lambda d: " | ".join(_label(cfg, lay, il, role, rank) for role, rank in dm.residents(d))  # noqa: E731
+    if len(used) <= detail_up_to:
+        lines.append("device map:")
+        lines += [f"  device {d} (node {dm.node_of(d)}): {label(d)}" for d in used]
+    else:
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for d in used:
+            groups.setdefault(tuple(role for role, _ in dm.residents(d)), []).append(d)
+        lines.append(f"device map ({len(used)} devices used of {dm.num_devices}, grouped by resident roles; "
+                     f"first and last device of each group):")
+        for roles, devices in groups.items():
+            lines.append(f"  {' + '.join(roles)}: {len(devices)} devices {abbreviate(devices)}")
+            for d in sorted({devices[0], devices[-1]}):
+                lines.append(f"    device {d} (node {dm.node_of(d)}): {label(d)}")
+    idle = dm.num_devices - len(used)
+    if idle:
+        lines.append(f"  {idle} device{'s' * (idle > 1)} hold no role")
+
+    lines += _memory_lines(cfg, memory, detail_up_to)
+
+    devices_of_rank = transfer_devices(dm)
+    same_device = sum(sum(t.numel for t in ts) for (s, d), ts in plan.pairs
+                      if not ts[0].local and devices_of_rank[s] == devices_of_rank[d]) * plan.dtype_bytes
+    lines += [f"weight sync plan (one transfer group: trainer ranks {_span(0, W)} -> engine ranks "
+              f"{_span(W, W + il.world_size)}):",
+              f"  bytes: {_bytes(plan.bytes_minimal)} written ({plan.dtype_bytes} B per element), "
+              f"{_bytes(plan.bytes_network)} sent between processes, of which {_bytes(same_device)} between "
+              f"processes on the same device (co-located roles)",
+              f"  busiest rank: sends {_bytes(summary['max_send_bytes'])}, receives "
+              f"{_bytes(summary['max_recv_bytes'])}; floor {summary['floor_seconds']:.3g} s at "
+              f"{p.fabric_gbytes_per_s:g} GB/s per link",
+              f"  {summary['transfers']} transfers over {summary['rank_pairs']} rank pairs, planned in "
+              f"{plan_seconds:.2f} s"]
+
+    totals = [sum(roles.values()) for roles in memory.values()] or [0]
+    peaks = [max(roles.values(), default=0) for roles in memory.values()] or [0]
+    result = {"devices": dm.num_devices, "devices_used": len(used),
+              "roles": {role: dm.ranks_of(role) for role in dm.role_names},
+              "memory_max_bytes": max(totals), "memory_max_peak_bytes": max(peaks),
+              "bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
+              "bytes_same_device": same_device, "floor_seconds": summary["floor_seconds"],
+              "plan_seconds": round(plan_seconds, 3)}
+    return lines, result
+
+
+def _memory_lines(cfg: RunConfig, memory: dict[int, dict[str, int]], detail_up_to: int) -> list[str]:
+    limit = cfg.placement.device_memory_gib * GIB
+    fit = f", device memory {_bytes(limit)}" if limit else ""
+    lines = [f"memory per device (an estimate{fit}):"]
+
+    def one(roles: dict[str, int]) -> str:
+        total, peak = sum(roles.values()), max(roles.values(), default=0)
+        parts = " + ".join(f"{role} {_bytes(b)}" for role, b in roles.items())
+        over = " DOES NOT FIT" if limit and peak > limit else (" fits only with offload" if limit and total > limit
+                                                                  else "")
+        return f"{parts} = all {_bytes(total)}, peak {_bytes(peak)}{over}"
+
+    if len(memory) <= detail_up_to:
+        lines += [f"  device {d}: {one(roles)}" for d, roles in memory.items()]
+    else:
+        groups: dict[tuple, list[int]] = {}
+        for d, roles in memory.items():
+            groups.setdefault(tuple(roles.items()), []).append(d)
+        ranked = sorted(groups.items(), key=lambda g: -sum(b for _, b in g[0]))
+        for key, devices in ranked[:6]:
+            lines.append(f"  {len(devices)} device{'s' * (len(devices) > 1)} {abbreviate(devices, 3)}: {one(dict(key))}")
+        if len(ranked) > 6:
+            lines.append(f"  ... {len(ranked) - 6} more groups with less memory")
+    lines += [f"  - {note}" for note in memory_notes(cfg)]
+    return lines
