@@ -14,7 +14,7 @@ builds the specs); a spec lists only its own ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable
 
 Shape = tuple[int, ...]
 
@@ -151,10 +151,3 @@ def _unique_boxes(pieces: Iterable[tuple[int, Piece]]) -> list[tuple[int, Piece]
     for rp in pieces:
         seen.setdefault(rp[1].box, rp)
     return list(seen.values())
-
-
-def spec_from_mapping(name: str, global_shapes: Mapping[str, Shape], per_rank: Mapping[int, tuple[Mapping[str, Shape], Iterable[Piece]]],
-                      dtype: str = "float32") -> ShardSpec:
-    """Build a ShardSpec from plain mappings (rank -> (buffers, pieces))."""
-    ranks = tuple(RankShards(rank, tuple(bufs.items()), tuple(pieces)) for rank, (bufs, pieces) in sorted(per_rank.items()))
-    return ShardSpec(name, tuple(global_shapes.items()), ranks, dtype)

@@ -2,8 +2,9 @@
 one micro-batch. Pure; the trainer role calls `policy_loss`, the driver calls `advantages`.
 
   grpo          group-normalised advantages (std optional), PPO clip
-  dapo          group-normalised advantages, clip-higher (clip_eps_high > clip_eps_low), token-mean loss,
-                dynamic sampling and the overlong penalty (the driver applies those two to the batch)
+  dapo          GRPO plus DAPO's options, which config validation requires (`dapo_problems`): clip-higher
+                (clip_eps_high > clip_eps_low), token-mean loss, dynamic sampling (the driver keeps groups
+                whose rewards differ); the overlong penalty (`overlong_buffer_tokens`) is optional
   gspo          group-normalised advantages, one clipped ratio per sequence
   reinforce_pp  group-mean baseline, batch-normalised advantages, PPO clip
 

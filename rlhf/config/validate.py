@@ -11,9 +11,11 @@ from pathlib import Path
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
-from rlhf.schema import Attention, ModelConfig, RewardConfig, RewardKind, RunConfig
+from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
+                         RewardKind, RunConfig)
 
-__all__ = ["ConfigError", "Problem", "model_problems", "run_problems", "validate_model", "validate_run"]
+__all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "validate_model",
+           "validate_run"]
 
 
 def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
@@ -109,6 +111,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         elif t.mini_batch_size % t.dp:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must split evenly over trainer.dp={t.dp} data-parallel ranks"))
+    p += dapo_problems(a)
     if not 0 <= a.clip_eps_low < 1 or a.clip_eps_high < 0:
         p.append(Problem("algorithm.clip_eps_low", a.clip_eps_low, "clip epsilons must satisfy 0 <= low < 1, high >= 0"))
     if a.kl_coef < 0:
@@ -138,6 +141,27 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.placement.nodes <= 0 or cfg.placement.devices_per_node <= 0:
         p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
     p += reward_problems(cfg.reward)
+    return p
+
+
+def dapo_problems(a: AlgorithmConfig) -> list[Problem]:
+    """`estimator: dapo` names DAPO's recipe, so a run that says dapo gets all of it: GRPO's advantages
+    with clip-higher, token-mean aggregation and dynamic sampling (the overlong penalty,
+    `overlong_buffer_tokens`, stays optional). What is missing is reported, not silently filled in."""
+    if a.estimator is not Estimator.dapo:
+        return []
+    p = []
+    if a.clip_eps_high <= a.clip_eps_low:
+        p.append(Problem("algorithm.clip_eps_high", a.clip_eps_high,
+                         f"estimator dapo clips higher above than below: set it above clip_eps_low={a.clip_eps_low} "
+                         f"(DAPO uses 0.28 with 0.2), or choose estimator grpo"))
+    if a.loss_aggregation is not LossAggregation.token_mean:
+        p.append(Problem("algorithm.loss_aggregation", a.loss_aggregation.value,
+                         "estimator dapo averages the loss over every token of the mini-batch: set token_mean, or "
+                         "choose estimator grpo"))
+    if not a.dynamic_sampling:
+        p.append(Problem("algorithm.dynamic_sampling", False, "estimator dapo keeps only groups whose rewards "
+                         "differ: set it to true, or choose estimator grpo"))
     return p
 
 

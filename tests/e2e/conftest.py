@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_session():
     """Devices for every placement the tests use (4 stand-in cpu devices)."""
-    ray = pytest.importorskip("ray")
+    import ray
     ray.init(num_cpus=4, resources={"rlhf_device": 4}, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
     yield

@@ -2,18 +2,12 @@
 unlinked, foreign names refused), and same-device pairs from a device map."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from rlhf.config import load_model_config
 from weight_sync import shm
-from rlhf.placement.transfer import SyncLayout
-from rlhf.layout import Layout
-from weight_sync.plan import Topology
 
-TINY = Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml"
 
 
 def ours() -> set[str]:
@@ -58,12 +52,3 @@ def test_foreign_or_missing_segments_are_refused():
         shm.open_segment(1, 8192, 1, (shm.NAME_PREFIX + "gone").encode())
     with pytest.raises(ValueError, match="no shared-memory path for meta buffers"):
         shm.create_segment(8192, torch.device("meta"))
-
-
-def test_same_device_pairs_from_a_device_map():
-    sync = SyncLayout(load_model_config(TINY), Layout(tp=2), 2, Topology.single_node(4))
-    # trainer ranks 0, 1 on devices 0, 1; engine hosts (ranks 2, 3) on devices 1 and 5
-    assert sync.same_device_pairs([0, 1, 1, 5]) == {(1, 2)}
-    assert sync.same_device_pairs([0, 0, 0, 7]) == {(0, 2), (1, 2)}
-    with pytest.raises(ValueError, match="3 devices given for 4 transfer ranks"):
-        sync.same_device_pairs([0, 1, 2])

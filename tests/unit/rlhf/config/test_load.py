@@ -31,7 +31,8 @@ def test_every_shipped_yaml_loads(path):
 def test_defaults_files_then_run_file_then_overrides(tmp_path):
     (tmp_path / "m.yaml").write_text("name: m\nhidden_size: 64\nnum_hidden_layers: 2\n")
     (tmp_path / "run.yaml").write_text(
-        "defaults:\n  model: m.yaml\nmodel:\n  num_hidden_layers: 4\nalgorithm:\n  estimator: dapo\n")
+        "defaults:\n  model: m.yaml\nmodel:\n  num_hidden_layers: 4\nalgorithm:\n  estimator: dapo\n"
+        "  clip_eps_high: 0.28\n  dynamic_sampling: true\n")
     cfg = load_run_config(tmp_path / "run.yaml", ["model.num_hidden_layers=1", "trainer.betas=[0.9,0.95]"])
     assert cfg.model.hidden_size == 64  # from the defaults file
     assert cfg.model.num_hidden_layers == 1  # override beats run file beats defaults file

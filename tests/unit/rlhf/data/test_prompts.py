@@ -11,7 +11,7 @@ def _jsonl(path, lines):
 
 
 def test_jsonl_and_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     j = _jsonl(tmp_path / "a.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"}), "",

@@ -7,7 +7,7 @@ from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 CASES = {
     "base": dict(),

@@ -45,7 +45,7 @@ def right_padded(cfg: ModelConfig, lengths: list[int], seed: int = 0) -> tuple[t
 
 @pytest.mark.parametrize("case", CASES)
 def test_scores_equal_transformers(tmp_path, case):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = tiny_cfg(**CASES[case])
     ours = tiny_reward_model(cfg)
     save_reward_model(ours, tmp_path)
@@ -88,7 +88,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, kw, max_shard_bytes):
 
 
 def test_config_json_names_the_classifier(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     save_reward_model(tiny_reward_model(tiny_cfg()), tmp_path)
     on_disk = json.loads((tmp_path / "config.json").read_text())
     assert on_disk["architectures"] == ["Qwen3MoeForSequenceClassification"] and on_disk["num_labels"] == 1
@@ -97,7 +97,7 @@ def test_config_json_names_the_classifier(tmp_path):
 
 
 def test_loads_a_directory_transformers_wrote(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = tiny_cfg(first_k_dense_layers=1)
     save_reward_model(tiny_reward_model(cfg), tmp_path / "ours")
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours", dtype=torch.float32)

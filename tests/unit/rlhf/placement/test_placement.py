@@ -17,7 +17,7 @@ from rlhf.placement import (
     transfer_devices, transfer_topology,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 GIB = 1 << 30
 
 

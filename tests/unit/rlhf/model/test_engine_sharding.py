@@ -10,7 +10,7 @@ from rlhf.schema import Attention, MLAConfig, ModelConfig, RouterScoring
 from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
 from weight_sync.spec import Box, Piece
 
-MODELS = Path(__file__).resolve().parents[3] / "configs" / "model"
+MODELS = Path(__file__).resolve().parents[4] / "configs" / "model"
 
 CFG = ModelConfig(vocab_size=40, hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,

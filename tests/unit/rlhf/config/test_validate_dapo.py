@@ -1,0 +1,32 @@
+"""`algorithm.estimator: dapo` means DAPO's recipe: a config that names it without its parts is refused,
+naming each missing part, before anything starts."""
+
+import pytest
+
+from rlhf.config import ConfigError, load_run_config
+from rlhf.schema import Estimator, LossAggregation
+
+
+def _load(tmp_path, *overrides):
+    (tmp_path / "run.yaml").write_text("{}")
+    return load_run_config(tmp_path / "run.yaml", list(overrides))
+
+
+def test_dapo_without_its_parts_names_each_missing_one(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, "algorithm.estimator=dapo", "algorithm.loss_aggregation=seq_mean_token_mean")
+    msg = str(e.value)
+    assert "3 problems" in msg
+    assert "algorithm.clip_eps_high = 0.2: estimator dapo clips higher" in msg
+    assert "algorithm.loss_aggregation = 'seq_mean_token_mean'" in msg
+    assert "algorithm.dynamic_sampling = False: estimator dapo keeps only groups whose rewards differ" in msg
+
+
+def test_dapo_with_its_parts_loads(tmp_path):
+    cfg = _load(tmp_path, "algorithm.estimator=dapo", "algorithm.clip_eps_high=0.28", "algorithm.dynamic_sampling=true")
+    a = cfg.algorithm
+    assert a.estimator is Estimator.dapo and a.loss_aggregation is LossAggregation.token_mean and a.dynamic_sampling
+
+
+def test_grpo_takes_the_same_options_one_by_one(tmp_path):
+    assert _load(tmp_path, "algorithm.clip_eps_high=0.28").algorithm.estimator is Estimator.grpo

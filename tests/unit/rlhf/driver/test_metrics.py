@@ -1,0 +1,70 @@
+"""A step's metrics from the roles' typed replies: the numbers a user reads in W&B, computed in-process.
+A renamed reply field fails here, not in an end-to-end run."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.replies import ReceiveReply, SendReply, SyncReplies, UpdateReply, UpdateStats
+from actors.vllm_engine import Completion
+from rlhf.batch import TokenBatch
+from rlhf.config import load_model_config
+from rlhf.driver.metrics import expert_load, step_metrics, update_metrics
+from rlhf.driver.rollout import Rollout
+from rlhf.layout import InferenceLayout, Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.model.sharding import trainer_shard_spec
+from rlhf.parity import logprob_parity
+from weight_sync.plan import Topology, plan_reshard
+
+TINY = Path(__file__).resolve().parents[4] / "configs" / "model" / "qwen3_moe_tiny.yaml"
+
+
+def _stats(tokens, clip, loss=0.5):
+    return UpdateStats(loss=loss, grad_norm=2.0, optimizer_steps=4, lr=1e-3, clip_fraction=clip, ratio_mean=1.0,
+                       kl=0.0, entropy=1.5, tokens=tokens)
+
+
+def test_update_metrics_weight_ranks_by_tokens():
+    updates = [UpdateReply(_stats(30.0, 0.1), [[4, 4]], 0.0, 1.0), UpdateReply(_stats(10.0, 0.5), None, 0.0, 3.0)]
+    m = update_metrics(updates)
+    assert m["actor/clip_fraction"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
+    assert m["actor/loss"] == 0.5 and m["actor/grad_norm"] == 2.0 and m["actor/optimizer_steps"] == 4
+
+
+def test_expert_load_is_busiest_over_mean():
+    m = expert_load([UpdateReply(_stats(1.0, 0.0), [[1, 3], [2, 2]], 0.0, 1.0)])
+    assert m["expert_load/layer0_max_over_mean"] == 1.5 and m["expert_load/layer1_max_over_mean"] == 1.0
+    assert m["expert_load/max_over_mean"] == 1.5
+    assert expert_load([UpdateReply(_stats(1.0, 0.0), None, 0.0, 1.0)]) == {}
+
+
+def test_step_metrics_from_replies():
+    comps = [Completion(0, (5, 2), (-0.1, -0.2), "stop", 3), Completion(0, (5, 6, 7), (-0.3, -0.4, -0.5), "length", 3)]
+    ro = Rollout(rows=[object()], prompt_ids=[[1, 4]], completions=comps, rewards_PG=torch.tensor([[1.0, 0.0]]),
+                 scores_PG=torch.tensor([[1.0, 0.0]]), groups_drawn=2, generate_seconds=2.0, reward_seconds=0.1,
+                 generated_tokens=5)
+    batch = TokenBatch.from_samples([[1, 4], [1, 4]], [c.token_ids for c in comps], [c.logp for c in comps])
+    parity = logprob_parity(batch.rollout_logp_BT, batch.rollout_logp_BT, batch.mask_BT)
+    cfg = load_model_config(TINY)
+    plan = plan_reshard(trainer_shard_spec(cfg, Layout(dp=2)), engine_shard_spec(cfg, InferenceLayout(1), rank_offset=2),
+                        Topology.single_node(3))
+    sync = SyncReplies([SendReply(100, 0, 0, 0.0, 0.2), SendReply(50, 20, 0, 0.0, 0.3)],
+                       [ReceiveReply(3, 150, 20, 120, 7, 0.25, 0.1, 0.0, 0.4)])
+    updates = [UpdateReply(_stats(5.0, 0.2), [[1, 1]], 0.0, 1.5)]
+    m = step_metrics(ro, batch, torch.ones(2, 4), parity, updates, sync, plan, Topology.single_node(3), 4.0,
+                     {"offload": 11})
+    assert m["reward/mean"] == 0.5 and m["accuracy/train"] == 0.5
+    assert m["response/length_mean"] == 2.5 and m["response/truncated_fraction"] == 0.5
+    assert m["rollout/groups_drawn"] == 2 and m["rollout/groups_kept"] == 1
+    assert m["parity/max_abs_diff"] == 0.0
+    assert m["time/sync"] == 0.4 and m["time/sync_transfer"] == 0.25 and m["time/sync_install"] == 0.1
+    assert m["time/update"] == 1.5 and m["time/step"] == 4.0
+    assert m["sync/bytes_received"] == 150 and m["sync/bytes_shm"] == 20 and m["sync/bytes_in_place"] == 120
+    assert m["sync/bytes_sent"] == 150 and m["sync/checked_transfers"] == 7 and m["sync/version"] == 3
+    assert m["sync/bytes_minimal"] == plan.bytes_minimal > 0
+    assert m["sync/floor_seconds"] == plan.floor_seconds(Topology.single_node(3))
+    assert m["throughput/generate_tokens_per_s"] == 2.5
+    assert m["offload/bytes"] == 11 and m["onload/bytes"] == 0
+    assert m["actor/clip_fraction"] == pytest.approx(0.2) and m["expert_load/max_over_mean"] == 1.0
