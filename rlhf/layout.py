@@ -155,7 +155,6 @@ class Layout:
         return tuple(out)
 
 
-
 def default_expert_map(num_experts: int, shards: int) -> tuple[int, ...]:
     if num_experts % shards:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {shards} expert shards; "

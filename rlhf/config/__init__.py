@@ -1,6 +1,9 @@
-"""Typed configuration: the schema (`schema`), its loader (`load`) and value checks (`validate`)."""
+"""Loading a run's configuration (`load`: YAML files + `key=value` overrides into the schema's dataclasses)
+and checking it whole (`validate`: values, layouts against the model, placement), before anything starts.
+The schema itself is `rlhf.schema`, re-exported here."""
 
 from rlhf.config.load import load_config, load_model_config, load_run_config
+from rlhf.errors import ConfigError
 from rlhf.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -12,7 +15,6 @@ from rlhf.schema import (
     TrackingConfig,
     TrainerConfig,
 )
-from rlhf.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "PlacementConfig",

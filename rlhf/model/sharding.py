@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from rlhf.schema import ModelConfig
 from rlhf.layout import Layout, default_expert_map

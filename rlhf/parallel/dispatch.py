@@ -11,7 +11,7 @@ numbering), forward and backward, so the hierarchical variant can be compared wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch

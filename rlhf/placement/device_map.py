@@ -58,7 +58,6 @@ class RoleNeed:
     placed: bool  # needs devices (False: rule verifiers on cuda/npu with no devices listed)
 
 
-
 def _needs(cfg: RunConfig) -> tuple[list[RoleNeed], list[Problem], int]:
     """The roles of this run with their rank counts; problems with the counts; ranks per engine."""
     t, r, w, p = cfg.trainer, cfg.rollout, cfg.reward, cfg.placement
@@ -89,7 +88,6 @@ def _needs(cfg: RunConfig) -> tuple[list[RoleNeed], list[Problem], int]:
         placed = p.device_type is DeviceType.cpu or w.kind is RewardKind.model or bool(str(p.reward.devices).strip())
         needs.append(RoleNeed("reward", w.workers, f"reward.workers = {w.workers}", placed))
     return needs, problems, per_engine
-
 
 
 # --- the device map ---

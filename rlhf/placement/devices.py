@@ -21,7 +21,6 @@ def parse_devices(text: str, key: str = "devices") -> tuple[int, ...]:
     return devices
 
 
-
 def read_devices(text: str, key: str) -> tuple[tuple[int, ...], Problem | None]:
     """The devices of `text`, or the problem with it (keyed `key`)."""
     text = str(text).strip()

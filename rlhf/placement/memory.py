@@ -24,7 +24,6 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-
 def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spec=None) -> dict[int, dict[str, int]]:
     """An estimate of the bytes each role rank keeps on its device, per device (see `memory_notes`).
     `trainer_spec` (ranks from 0) and `engine_spec` (ranks from W) are built when not given."""

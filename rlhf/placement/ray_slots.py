@@ -66,7 +66,6 @@ def actor_options(dm: DeviceMap, p: PlacementConfig, role: str, rank: int) -> Ac
     return ActorSlot(dm.node_of(d), d % dm.devices_per_node, _share(p.cpus_per_device, k), num_gpus, resources)
 
 
-
 def engine_cpu_cores(dm: DeviceMap, engine: int, cpus_per_node: int) -> list[int] | None:
     """cpu devices: the core each rank of rollout engine `engine` binds its OpenMP threads to, the core
     numbered like its stand-in device on its node (vLLM's "auto" binding would put every engine of a

@@ -14,7 +14,6 @@ from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 
 pytestmark = pytest.mark.vllm
-import ray
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
 
 
