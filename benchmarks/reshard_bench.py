@@ -25,8 +25,8 @@ import sys
 import time
 
 from rlhf.config import load_model_config
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from weight_sync.plan import Topology, plan_reshard
 from rlhf.model.sharding import trainer_shard_spec
 

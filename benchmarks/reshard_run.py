@@ -26,8 +26,8 @@ from rlhf.model.hf_io import to_hf_tensors, torch_dtype
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.sharding import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Plan, Topology, plan_reshard
 

@@ -32,8 +32,8 @@ from rlhf.model.sharding import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
 from weight_sync import shm
 from benchmarks.reshard_bench import parse_layout
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -17,8 +17,8 @@ from weight_sync.pieces import local_tensors
 from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.trainer import token_logprobs
 from rlhf.parity import logprob_parity
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.reshard_bench import main, parse_layout
-from rlhf.model.engine_sharding import InferenceLayout
-from rlhf.layout import Layout
+from rlhf.layout import InferenceLayout, Layout
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
 

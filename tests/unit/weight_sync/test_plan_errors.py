@@ -8,8 +8,8 @@ import torch
 from rlhf.schema import ModelConfig
 from rlhf.model.sharding import trainer_shard_spec
 from weight_sync.apply_local import apply_local
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 

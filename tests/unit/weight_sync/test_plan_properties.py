@@ -13,8 +13,8 @@ from rlhf.model.shapes import param_shapes
 from rlhf.model.sharding import rank_sharding
 from weight_sync.pieces import local_tensors
 from weight_sync.apply_local import apply_local
-from rlhf.model.engine_sharding import InferenceLayout, engine_shard_spec
-from rlhf.layout import Layout, default_expert_map
+from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.layout import InferenceLayout, Layout, default_expert_map
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import ShardSpec
 from rlhf.model.sharding import trainer_shard_spec
