@@ -67,10 +67,12 @@ class ReceiveReply:
     bytes_shm: int
     bytes_in_place: int
     checked_transfers: int
-    transfer_seconds: float
-    install_seconds: float
+    transfer_seconds: float  # every worker's part received and checked
+    install_seconds: float  # every worker's part installed
     start: float
     seconds: float
+    ranks: tuple[int, ...] = ()  # transfer rank of each worker
+    bytes_per_rank: tuple[int, ...] = ()  # bytes each worker received (network + shared memory)
 
 
 @dataclass(frozen=True)

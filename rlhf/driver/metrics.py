@@ -17,7 +17,8 @@ from weight_sync.plan import Plan, Topology
 def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parity: Parity,
                  updates: list[UpdateReply], sync: SyncReplies, plan: Plan, topology: Topology,
                  seconds: float, switch_bytes: dict[str, int]) -> dict[str, float]:
-    """Every metric of one step but the driver's phase times and the held-out accuracy."""
+    """Every metric of one step but the driver's phase times and the held-out accuracy. `topology` carries
+    the measured link bandwidth the sync floor is computed at."""
     sync_s = sync.seconds
     lengths = torch.tensor([len(c.token_ids) for c in ro.completions], dtype=torch.float32)
     receives = sync.receives
@@ -41,6 +42,10 @@ def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parit
         "sync/bytes_sent": sum(r.bytes_sent for r in sync.sends),
         "sync/gb_per_s": plan.bytes_network / max(sync_s, 1e-9) / 1e9,
         "sync/floor_seconds": plan.floor_seconds(topology),
+        "sync/link_gb_per_s": topology.link_bytes_per_s / 1e9,
+        "sync/bytes_per_engine_rank_max": max((b for r in receives for b in r.bytes_per_rank), default=0),
+        "sync/bytes_minimal_per_engine_rank_max": max((plan.bytes_into(rank) for r in receives for rank in r.ranks),
+                                                      default=0),
         "sync/checked_transfers": sum(r.checked_transfers for r in receives),
         "sync/version": receives[0].version,
         "throughput/generate_tokens_per_s": ro.generated_tokens / max(ro.generate_seconds, 1e-9),

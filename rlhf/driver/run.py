@@ -10,7 +10,7 @@ import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,7 +29,7 @@ from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.model.hf_io import check_model_dir
 from rlhf.parity import Parity
 from rlhf.placement import DeviceMap, device_map
-from rlhf.placement.transfer import SyncLayout, sync_devices, sync_layout
+from rlhf.placement.transfer import SyncLayout, sync_layout
 from rlhf.schema import DeviceType, RunConfig
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
@@ -60,11 +60,11 @@ class RunInputs:
         train_rows = load_prompts(d.train_files, d.prompt_key, d.answer_key, d.skip_bad_rows)
         heldout = load_prompts(d.heldout_files, d.prompt_key, d.answer_key, d.skip_bad_rows).rows
         resume_dir = resolve_resume(Path(cfg.checkpoint.dir), cfg.checkpoint.resume)
-        sync = sync_layout(cfg, dm)
+        sync = sync_layout(cfg, dm)  # the function `rlhf plan` uses: the same ranks, plan and bytes
         plan = sync.plan()  # validated before any actor starts
-        # Co-located trainer ranks and engine hosts exchange through shared memory (cpu; the CUDA / NPU IPC
-        # path of weight_sync.shm is not yet tested on devices, so there the group carries everything).
-        same_device = sync.same_device_pairs(sync_devices(dm)) if dm.device_type is DeviceType.cpu else frozenset()
+        # Co-located trainer and engine ranks exchange through shared memory (cpu; the CUDA / NPU IPC path of
+        # weight_sync.shm is not yet tested on devices, so there the group carries everything).
+        same_device = sync.same_device_pairs() if dm.device_type is DeviceType.cpu else frozenset()
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # set by `ray job submit` for the job's driver
@@ -96,6 +96,10 @@ class Run:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # this step's driver phases
     switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
     last_checkpoint: Optional[Path] = None
+    link_bytes_per_s: float = 0.0  # the weight-sync link, measured at start (the floor's bandwidth)
+    sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
+    step_seconds: float = 0.0
+    last_sync: Optional[SyncReplies] = None
     t0: float = field(default_factory=time.time)
 
     @staticmethod
@@ -111,6 +115,7 @@ class Run:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
                 run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
+            run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
             if inputs.resume_dir is not None:
                 run._resume(inputs.resume_dir)
         except BaseException:  # an actor that failed to start: stop what did start, and Ray if we started it
@@ -120,7 +125,8 @@ class Run:
         dm = inputs.device_map
         log(f"train: {cfg.steps} steps from step {run.step}; trainer {inputs.sync.trainer} on devices "
             f"{dm.devices_of('trainer')}, {cfg.rollout.num_engines} engine(s) on {dm.devices_of('rollout')}; "
-            f"sync plan {inputs.plan.bytes_minimal / 1e6:.2f} MB per step")
+            f"sync plan {inputs.plan.bytes_minimal / 1e6:.2f} MB per step to {inputs.sync.engines.world_size} engine "
+            f"rank(s), link measured at {run.link_bytes_per_s / 1e9:.2f} GB/s")
         return run
 
     # --- pieces of a step ---
@@ -216,8 +222,12 @@ class Run:
             self.parity_violations += 1
             self.log(f"step {step}: trainer/engine logprob parity {parity.max_abs_diff:.2e} exceeds "
                      f"rollout.parity_max_abs={cfg.rollout.parity_max_abs:g}")
-        m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, self.inputs.sync.topology,
-                         seconds, self.switch_bytes)
+        link = replace(self.inputs.sync.topology, link_bytes_per_s=self.link_bytes_per_s or
+                       self.inputs.sync.topology.link_bytes_per_s)
+        m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
+        self.sync_seconds += m["time/sync"]
+        self.step_seconds += seconds
+        self.last_sync = sync
         m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
         self.phase_seconds = {}
         if acc is not None:
@@ -254,12 +264,27 @@ class Run:
             "parity_mean_abs_diff_max": max((h["parity/mean_abs_diff"] for h in self.history), default=None),
             "parity_violations": self.parity_violations,
             "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
+            "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
+            "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],
+            "sync_share": round(self.sync_seconds / self.step_seconds, 4) if self.step_seconds else None,
+            "sync_link_gb_per_s": round(self.link_bytes_per_s / 1e9, 3),
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
         (self.inputs.out / "result.json").write_text(json.dumps(result, indent=1))
         return result
+
+    def _engine_ranks(self) -> list[int]:
+        sync = self.inputs.sync
+        return [r for k in range(sync.engines.engines) for r in sync.engine_ranks(k)]
+
+    def _bytes_per_engine_rank(self) -> list[int] | None:
+        """What each engine rank received in the last sync (network + shared memory), in rank order."""
+        if self.last_sync is None:
+            return None
+        got = {r: b for rep in self.last_sync.receives for r, b in zip(rep.ranks, rep.bytes_per_rank)}
+        return [got[r] for r in self._engine_ranks()]
 
     def close(self, failed: bool = False) -> None:
         if failed:

@@ -16,8 +16,9 @@ from rlhf.placement.devices import format_devices, parse_devices
 from rlhf.placement.memory import memory_estimate, memory_notes
 from rlhf.placement.ray_slots import ActorSlot, actor_options, engine_cpu_cores, placement_bundles
 from rlhf.placement.report import plan_report
-from rlhf.placement.transfer import transfer_devices, transfer_topology
+from rlhf.placement.transfer import SyncLayout, sync_layout, transfer_devices, transfer_topology
 
 __all__ = ["ROLES", "ActorSlot", "DeviceMap", "RoleNeed", "actor_options", "cluster_problems", "device_map",
            "engine_cpu_cores", "format_devices", "memory_estimate", "memory_notes", "parse_devices",
-           "placement_bundles", "placement_problems", "plan_report", "transfer_devices", "transfer_topology"]
+           "placement_bundles", "placement_problems", "plan_report", "SyncLayout", "sync_layout", "transfer_devices",
+           "transfer_topology"]

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 
-from rlhf.layout import InferenceLayout, Layout, inference_layout, trainer_layout
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.layout import InferenceLayout, Layout
 from rlhf.placement.device_map import DeviceMap, device_map
 from rlhf.placement.devices import abbreviate, format_devices
 from rlhf.placement.memory import GIB, memory_estimate, memory_notes
 from rlhf.placement.ray_slots import placement_bundles
-from rlhf.placement.transfer import transfer_devices, transfer_topology
+from rlhf.placement.transfer import sync_layout
 from rlhf.schema import RunConfig
 from weight_sync.plan import plan_reshard
 
@@ -69,13 +67,12 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     beyond. Plans the sync (seconds for a 718B model); starts nothing."""
 
     dm = dm if dm is not None else device_map(cfg)
-    p, m = cfg.placement, cfg.model
-    lay, il = trainer_layout(cfg.trainer), inference_layout(cfg.rollout)
+    p = cfg.placement
+    sync = sync_layout(cfg, dm)  # the same function `rlhf train` builds its sync with
+    lay, il, topology = sync.trainer, sync.engines, sync.topology
     W = lay.world_size
-    src = trainer_shard_spec(m, lay, zero_stage=cfg.trainer.zero_stage)
-    dst = engine_shard_spec(m, il, rank_offset=W)
+    src, dst = sync.src_spec(), sync.dst_spec()
     memory = memory_estimate(cfg, dm, src, dst)
-    topology = transfer_topology(cfg, dm)
     t0 = time.perf_counter()
     plan = plan_reshard(src, dst, topology)
     plan_seconds = time.perf_counter() - t0
@@ -111,7 +108,7 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
 
     lines += _memory_lines(cfg, memory, detail_up_to)
 
-    devices_of_rank = transfer_devices(dm)
+    devices_of_rank = sync.devices
     same_device = sum(sum(t.numel for t in ts) for (s, d), ts in plan.pairs
                       if not ts[0].local and devices_of_rank[s] == devices_of_rank[d]) * plan.dtype_bytes
     lines += [f"weight sync plan (one transfer group: trainer ranks {_span(0, W)} -> engine ranks "

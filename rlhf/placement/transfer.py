@@ -1,11 +1,12 @@
 """The weight-sync group of a run: which device each transfer rank sits on, the topology the planner
 reads (node of each rank, link bandwidth), and `SyncLayout`, the two shard specs and the plan. Pure.
 
-Transfer ranks in the run: trainer rank r is r; engine k's host process is trainer_world + k. The host
-receives its engine's weights in vLLM's fused buffer layout (qkv, gate_up, stacked experts, padded
-vocabulary) and installs them in every worker of the engine (`actors.vllm_engine.VLLMEngine.receive_weights`);
-vLLM's loader gives each TP / EP worker its own slice. So an engine host receives one full copy of the
-weights whatever the engine's TP: with TP > 1 on one host that is what its workers need in total.
+Transfer ranks: trainer rank r is r; rank i of engine k is W + k * ranks_per_engine + i (W the
+trainer's world size). Every worker of every engine (each TP rank, each EP rank, each attention-DP
+rank) is a rank of the group and receives exactly the slices its own vLLM buffers hold
+(`rlhf.model.engine_sharding`), from the trainer ranks that own them. `rlhf plan` and `rlhf train`
+build the sync with the same function (`sync_layout`), so the bytes one prints are the bytes the
+other moves.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlhf.layout import InferenceLayout, Layout, trainer_layout
+from rlhf.layout import InferenceLayout, Layout, inference_layout, trainer_layout
 from rlhf.model.engine_sharding import engine_shard_spec
 from rlhf.model.sharding import trainer_shard_spec
 from rlhf.placement.device_map import DeviceMap
@@ -28,68 +29,69 @@ def transfer_devices(dm: DeviceMap) -> tuple[int, ...]:
     return dm.devices_of("trainer") + dm.devices_of("rollout")
 
 
-def transfer_topology(cfg: RunConfig, dm: DeviceMap) -> Topology:
-    """The planner's view of the weight-sync group: node of each transfer rank and the fabric link
-    bandwidth. Across fabric domains links are slower (cross_fabric_gbytes_per_s); the planner takes one
-    bandwidth, so the floor it reports stays a lower bound."""
+def transfer_topology(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> Topology:
+    """The planner's view of the weight-sync group: node of each transfer rank and the link bandwidth,
+    `placement.fabric_gbytes_per_s` unless a measured one is given. Across fabric domains links are
+    slower (cross_fabric_gbytes_per_s); the planner takes one bandwidth, so the floor it reports stays a
+    lower bound."""
     p = cfg.placement
+    bandwidth = link_bytes_per_s if link_bytes_per_s is not None else p.fabric_gbytes_per_s * 1e9
     return Topology(f"{dm.nodes}x{dm.devices_per_node} {dm.device_type.value}",
-                    tuple(dm.node_of(d) for d in transfer_devices(dm)), p.fabric_gbytes_per_s * 1e9)
+                    tuple(dm.node_of(d) for d in transfer_devices(dm)), bandwidth)
 
 
 @dataclass(frozen=True)
 class SyncLayout:
+    """The run's weight sync: trainer layout -> every rank of every engine, on `topology`."""
+
     model: ModelConfig
     trainer: Layout
-    engines: int
-    topology: Topology  # nodes of the transfer ranks (trainer ranks, then engine hosts)
+    engines: InferenceLayout
+    topology: Topology  # nodes of the transfer ranks (trainer ranks, then every engine rank)
     zero_stage: int = 1  # the trainer's: 3 row-shards parameters, so every DP rank sends its own rows
+    devices: tuple[int, ...] = ()  # device of each transfer rank, when known (same-device pairs)
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
             raise ValueError(f"sync topology {self.topology.name} has {self.topology.world_size} ranks; the trainer "
-                             f"({self.trainer.world_size}) and {self.engines} engine host(s) need {self.world_size}")
+                             f"({self.trainer.world_size}) and the engines ({self.engines}: "
+                             f"{self.engines.world_size} ranks) need {self.world_size}")
+        if self.devices and len(self.devices) != self.world_size:
+            raise ValueError(f"sync layout: {len(self.devices)} devices given for {self.world_size} transfer ranks "
+                             f"(the trainer's {self.trainer.world_size}, then {self.engines.world_size} engine ranks)")
 
     @property
     def world_size(self) -> int:
-        return self.trainer.world_size + self.engines
+        return self.trainer.world_size + self.engines.world_size
 
-    def engine_rank(self, k: int) -> int:
-        return self.trainer.world_size + k
+    def engine_ranks(self, k: int) -> range:
+        """The transfer ranks of engine k's workers, in the engine's own rank order."""
+        first = self.trainer.world_size + k * self.engines.ranks_per_engine
+        return range(first, first + self.engines.ranks_per_engine)
 
     def src_spec(self) -> ShardSpec:
         return trainer_shard_spec(self.model, self.trainer, zero_stage=self.zero_stage)
 
     def dst_spec(self) -> ShardSpec:
-        return engine_shard_spec(self.model, InferenceLayout(tp=1, engines=self.engines),
-                                 rank_offset=self.trainer.world_size)
+        return engine_shard_spec(self.model, self.engines, rank_offset=self.trainer.world_size)
 
     def plan(self) -> Plan:
+        """Cached by `plan_reshard` while the specs and the topology's nodes do not change."""
         return plan_reshard(self.src_spec(), self.dst_spec(), self.topology)
 
-    def same_device_pairs(self, devices: Sequence[int]) -> frozenset[tuple[int, int]]:
-        """(trainer rank, engine host rank) pairs on one device, for `run_plan(..., same_device=...)`.
-        `devices[r]` is transfer rank r's device: the trainer ranks' devices, then each engine host's
-        (its engine's first device), as the driver lists them for the sync topology."""
+    def same_device_pairs(self, devices: Sequence[int] | None = None) -> frozenset[tuple[int, int]]:
+        """(trainer rank, engine rank) pairs on one device, for `run_plan(..., same_device=...)`. `devices[r]`
+        is transfer rank r's device (default: `self.devices`)."""
+        devices = tuple(self.devices if devices is None else devices)
         if len(devices) != self.world_size:
             raise ValueError(f"same_device_pairs: {len(devices)} devices given for {self.world_size} transfer ranks "
-                             f"(the trainer's {self.trainer.world_size}, then {self.engines} engine host(s))")
+                             f"(the trainer's {self.trainer.world_size}, then {self.engines.world_size} engine ranks)")
         w = self.trainer.world_size
-        return frozenset((r, self.engine_rank(k)) for k in range(self.engines) for r in range(w)
-                         if devices[r] == devices[w + k])
+        return frozenset((r, e) for e in range(w, self.world_size) for r in range(w) if devices[r] == devices[e])
 
 
-def sync_devices(dm: DeviceMap) -> tuple[int, ...]:
-    """Device of each rank of the run's weight-sync group: the trainer ranks', then each engine host's (its
-    engine's first device)."""
-    rollout, per = dm.devices_of("rollout"), dm.ranks_per_engine
-    return dm.devices_of("trainer") + tuple(rollout[k] for k in range(0, len(rollout), per))
-
-
-def sync_layout(cfg: RunConfig, dm: DeviceMap) -> SyncLayout:
-    """The run's weight sync: trainer ranks and engine hosts, on the nodes of their devices."""
-    p = cfg.placement
-    topology = Topology(f"{p.nodes}x{p.devices_per_node} {p.device_type.value}",
-                        tuple(dm.node_of(d) for d in sync_devices(dm)), p.fabric_gbytes_per_s * 1e9)
-    return SyncLayout(cfg.model, trainer_layout(cfg.trainer), cfg.rollout.num_engines, topology,
-                      cfg.trainer.zero_stage)
+def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> SyncLayout:
+    """The run's weight sync: the trainer's ranks and every engine rank, on the nodes of their devices.
+    `rlhf plan` and `rlhf train` both build it here."""
+    return SyncLayout(cfg.model, trainer_layout(cfg.trainer), inference_layout(cfg.rollout),
+                      transfer_topology(cfg, dm, link_bytes_per_s), cfg.trainer.zero_stage, transfer_devices(dm))

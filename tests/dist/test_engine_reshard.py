@@ -1,5 +1,10 @@
-"""A vLLM engine updated through the resharding path, from a trainer layout (tp2) other than its own
-(tp1, vLLM's fused buffers), runs exactly the trainer's weights."""
+"""A vLLM engine's workers are ranks of the weight-sync group: each TP / EP worker receives exactly its own
+slices from a trainer of another layout (tp2 or dp2), installs them, and the engine then runs exactly the
+trainer's weights, sync after sync. A part corrupted on its way to one worker is caught and the engine
+goes on serving the previous version.
+
+Three processes: trainer ranks 0 and 1, and an engine host (rank 2 of the launcher) whose vLLM workers
+(one per engine rank, in their own processes) join the transfer group as ranks 2, 3, ..."""
 
 import os
 
@@ -8,22 +13,23 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config import load_model_config
-from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
+from rlhf.layout import InferenceLayout, Layout
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
-from weight_sync.pieces import local_tensors
-from rlhf.parallel.launch import run_ranks
+from rlhf.model.sharding import rank_sharding
+from rlhf.parallel.launch import free_port, run_ranks
 from rlhf.parallel.trainer import token_logprobs
-from rlhf.parity import logprob_parity
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.placement.transfer import SyncLayout
+from rlhf.schema import RolloutConfig
+from weight_sync.group import transfer_group
+from weight_sync.pieces import local_tensors
+from weight_sync.plan import Topology
 from weight_sync.p2p import run_plan
-from weight_sync.plan import Topology, plan_reshard
 
 pytestmark = pytest.mark.vllm
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
+SEEDS = (2, 3, 2)  # the weights of each successful sync (the last one goes back to the first)
 
 
 def _model(seed):
@@ -32,45 +38,85 @@ def _model(seed):
     return m
 
 
-def worker(rank, start_dir):
-    cfg = load_model_config(TINY)
-    trainer = Layout(tp=2)
-    src_spec = trainer_shard_spec(cfg, trainer)
-    dst_spec = engine_shard_spec(cfg, InferenceLayout(tp=1), rank_offset=2)
-    plan = plan_reshard(src_spec, dst_spec, Topology.single_node(3))
-    new = dict(to_hf_tensors(_model(2).state_dict(), cfg))
+def _seqs(cfg):
     seqs = torch.randint(3, cfg.vocab_size, (8, 12), generator=torch.Generator().manual_seed(0))
     seqs[:, 0] = 1
-    if rank < 2:
-        src = local_tensors(new, rank_sharding(cfg, trainer, rank))
-        dist.barrier()  # the engine is up
-        stats = run_plan(plan, rank, src, None, torch.float32)
-        return {"sent": stats.bytes_sent}
-    from actors.vllm_engine import VLLMEngine
+    return seqs
 
-    engine = VLLMEngine(start_dir, RolloutConfig(), max_model_len=64)
-    dist.barrier()
-    mine = dst_spec.ranks[0]
-    buffers = {n: torch.full(s, float("nan")) for n, s in mine.buffers}
-    stats = run_plan(plan, rank, None, buffers, torch.float32)
-    info = engine.update_from_pieces(buffers, mine.pieces, dst_spec.shapes(), version=1)
-    engine_lp = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
-    with torch.no_grad():
-        ours = token_logprobs(_model(2)(seqs), seqs)[0]
-    parity = logprob_parity(ours, engine_lp, torch.ones_like(ours))
-    out = {"received": stats.bytes_received, "parity": parity, "info": info, "minimal": plan.bytes_minimal,
-           "sleep": engine.sleep(), "wake": engine.wake_up()}
-    engine.close()
+
+def worker(rank, start_dir, trainer, engines, port, fresh_dir):
+    cfg = load_model_config(TINY)
+    W = trainer.world_size
+    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
+    dist.barrier()  # the engine is up before anyone joins the transfer group
+    if rank < W:
+        group = transfer_group("gloo", "127.0.0.1", port, rank, sync.world_size, 120)
+        sent = []
+        for seed in (SEEDS[0], 4, *SEEDS[1:]):  # 4: the sync whose part is corrupted on its way
+            src = local_tensors(dict(to_hf_tensors(_model(seed).state_dict(), cfg)), rank_sharding(cfg, trainer, rank))
+            sent.append(run_plan(sync.plan(), rank, src, None, torch.float32, group=group).bytes_sent)
+        return {"sent": sent}
+    from actors.vllm_engine import VLLMEngine, WeightUpdateRejected
+
+    engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64)
+    try:
+        ranks = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
+        seqs = _seqs(cfg)
+        out = {"ranks": ranks, "logp": [], "replies": []}
+        for i, seed in enumerate((SEEDS[0], 4, *SEEDS[1:])):
+            try:
+                out["replies"].append(engine.receive_weights(sync, version=i + 1, inject_fault=seed == 4))
+            except WeightUpdateRejected as e:
+                out["rejected"] = str(e)
+            out["logp"].append(torch.tensor(engine.sequence_logprobs(seqs.tolist())))
+        out["version"] = engine.weight_version
+    finally:
+        engine.close()
+    if fresh_dir:  # a freshly started engine on the first sync's weights, for comparison
+        fresh = VLLMEngine(fresh_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64)
+        out["fresh"] = torch.tensor(fresh.sequence_logprobs(seqs.tolist()))
+        fresh.close()
     return out
 
 
-def test_engine_runs_the_trainers_weights_after_a_resharded_update(tmp_path):
-    m1 = _model(1)
-    save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
-    save_pretrained(m1, tmp_path)
-    results = run_ranks(worker, 3, str(tmp_path), timeout_s=600, collective_timeout_s=300)
-    engine = results[2]
-    assert engine["parity"].max_abs_diff <= 1e-5 and engine["parity"].tokens == 8 * 11
-    assert engine["received"] == engine["minimal"] == results[0]["sent"] + results[1]["sent"]
-    assert engine["info"]["version"] == 1
-    assert engine["sleep"]["slept"] is False and "no sleep mode" in engine["sleep"]["reason"]  # explicit no-op
+@pytest.mark.parametrize("trainer,engines,fresh", [(Layout(tp=2), InferenceLayout(tp=2), True),
+                                                   (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False)],
+                         ids=["tp2-to-tp2", "dp2ep2-to-tp2ep2"])
+def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, engines, fresh):
+    for d, seed in ((tmp_path / "start", 1), (tmp_path / "fresh", SEEDS[0])):
+        m = _model(seed)
+        save_tokenizer(build_tokenizer(m.config.vocab_size), d)
+        save_pretrained(m, d)
+    W = trainer.world_size
+    results = run_ranks(worker, W + 1, str(tmp_path / "start"), trainer, engines, free_port(),
+                        str(tmp_path / "fresh") if fresh else None, timeout_s=900, collective_timeout_s=600)
+    engine = results[W]
+    cfg = load_model_config(TINY)
+    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
+    plan = sync.plan()
+    assert engine["ranks"] == list(range(W, W + engines.world_size))
+
+    # every worker received exactly its own slices, the minimum the plan says it needs, and no more
+    for reply in engine["replies"]:
+        assert reply.ranks == tuple(engine["ranks"])
+        assert list(reply.bytes_per_rank) == [plan.bytes_into(r) for r in reply.ranks]
+        assert sum(reply.bytes_per_rank) == plan.bytes_minimal
+        assert 0 < max(reply.bytes_per_rank) < plan.bytes_minimal  # nobody receives the whole model
+    assert sum(sum(r["sent"]) for r in results[:W]) == 4 * plan.bytes_minimal  # four syncs, no shared memory
+
+    # after each sync the engine runs exactly the trainer's weights
+    seqs = _seqs(cfg)
+    with torch.no_grad():
+        ours = {s: token_logprobs(_model(s)(seqs), seqs)[0] for s in set(SEEDS)}
+    lp_a, lp_rejected, lp_b, lp_a_again = engine["logp"]
+    assert (lp_a - ours[SEEDS[0]]).abs().max() <= 1e-5
+    assert (lp_b - ours[SEEDS[1]]).abs().max() <= 1e-5
+    assert torch.equal(lp_a_again, lp_a)  # back to the first weights: bit for bit the same engine outputs
+    if fresh:  # as a freshly started engine on the same weights
+        assert (lp_a - engine["fresh"]).abs().max() <= 1e-6
+
+    # the corrupted sync was caught on the last worker and never served: the previous version answers
+    assert "rejected on transfer rank" in engine["rejected"] and f"rank {engine['ranks'][-1]}" in engine["rejected"]
+    assert "still serving version 1" in engine["rejected"]
+    assert torch.equal(lp_rejected, lp_a)
+    assert engine["version"] == 4 and [r.version for r in engine["replies"]] == [1, 3, 4]

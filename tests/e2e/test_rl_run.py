@@ -40,6 +40,23 @@ def test_reward_rises_and_every_sync_is_exact(short_run):
     assert result["parity_mean_abs_diff_max"] < 1e-5
     assert result["parity_max_abs_diff"] < 2e-2
     assert len(result["heldout_accuracy_history"]) == 3  # start, step 8, step 16
+    # each engine rank received exactly the bytes its own shards hold, every step
+    assert result["sync_bytes_per_engine_rank"] == result["sync_bytes_minimal_per_engine_rank"]
+    assert 0 < result["sync_share"] < 1 and result["sync_link_gb_per_s"] > 0
+
+
+def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_path):
+    """One engine of two TP workers, each a rank of the sync group receiving only its own slices."""
+    d, _ = tiny
+    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
+        d, tmp_path, "steps=3", "eval_every=100", "rollout.num_engines=1", "rollout.tp=2",
+        "checkpoint.export_hf=false"))
+    result = train(cfg)
+    assert result["syncs"] == 3
+    per_rank, minimal = result["sync_bytes_per_engine_rank"], result["sync_bytes_minimal_per_engine_rank"]
+    assert per_rank == minimal and len(per_rank) == 2
+    assert max(per_rank) < result["sync_bytes_per_step"]  # no worker receives the whole model
+    assert result["parity_mean_abs_diff_max"] < 1e-5 and result["parity_max_abs_diff"] < 2e-2
 
 
 def test_wandb_trace_checkpoint_and_export_exist(short_run):

@@ -1,21 +1,49 @@
-"""The run's weight-sync group: which transfer-rank pairs share a device (they go through shared memory)."""
+"""The run's weight-sync group: trainer ranks, then every engine rank; which pairs share a device (they
+go through shared memory); and `rlhf plan` and `rlhf train` building the same sync."""
 
 from pathlib import Path
 
 import pytest
 
-from rlhf.config import load_model_config
-from rlhf.layout import Layout
-from rlhf.placement.transfer import SyncLayout
+from rlhf.config import load_model_config, load_run_config
+from rlhf.layout import InferenceLayout, Layout
+from rlhf.placement import device_map, plan_report
+from rlhf.placement.transfer import SyncLayout, sync_layout
 from weight_sync.plan import Topology
 
-TINY = Path(__file__).resolve().parents[4] / "configs" / "model" / "qwen3_moe_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[4]
+TINY = ROOT / "configs" / "model" / "qwen3_moe_tiny.yaml"
 
 
-def test_same_device_pairs_from_a_device_map():
-    sync = SyncLayout(load_model_config(TINY), Layout(tp=2), 2, Topology.single_node(4))
-    # trainer ranks 0, 1 on devices 0, 1; engine hosts (ranks 2, 3) on devices 1 and 5
+def test_same_device_pairs_from_the_devices_of_every_rank():
+    sync = SyncLayout(load_model_config(TINY), Layout(tp=2), InferenceLayout(tp=2), Topology.single_node(4))
+    # trainer ranks 0, 1 on devices 0, 1; the engine's two workers (ranks 2, 3) on devices 1 and 5
     assert sync.same_device_pairs([0, 1, 1, 5]) == {(1, 2)}
     assert sync.same_device_pairs([0, 0, 0, 7]) == {(0, 2), (1, 2)}
     with pytest.raises(ValueError, match="3 devices given for 4 transfer ranks"):
         sync.same_device_pairs([0, 1, 2])
+
+
+def test_every_engine_rank_is_a_transfer_rank():
+    cfg = load_run_config(ROOT / "configs" / "tiny_cpu.yaml", ["rollout.num_engines=1", "rollout.tp=2"])
+    sync = sync_layout(cfg, device_map(cfg))
+    assert sync.world_size == 4 and list(sync.engine_ranks(0)) == [2, 3]
+    assert sync.devices == (0, 1, 0, 1) and sync.same_device_pairs() == {(0, 2), (1, 3)}
+    plan = sync.plan()
+    per_rank = [plan.bytes_into(r) for r in sync.engine_ranks(0)]
+    assert sum(per_rank) == plan.bytes_minimal and max(per_rank) < plan.bytes_minimal  # each its own half
+
+
+@pytest.mark.parametrize("overrides", [[], ["rollout.num_engines=1", "rollout.tp=2"]])
+def test_plan_reports_the_bytes_the_run_moves(overrides):
+    cfg = load_run_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    dm = device_map(cfg)
+    _, summary = plan_report(cfg, dm)
+    plan = sync_layout(cfg, dm).plan()  # what `rlhf train` builds (rlhf.driver.run.RunInputs)
+    assert (summary["bytes_minimal"], summary["bytes_network"]) == (plan.bytes_minimal, plan.bytes_network)
+    assert summary["roles"]["rollout"] == sync_layout(cfg, dm).engines.world_size
+
+
+def test_topology_size_must_match_the_ranks():
+    with pytest.raises(ValueError, match="need 4"):
+        SyncLayout(load_model_config(TINY), Layout(tp=2), InferenceLayout(tp=2), Topology.single_node(3))
