@@ -164,7 +164,7 @@ def test_ray_job_submit_runs_a_tiny_run(tiny, ray_cluster, tmp_path):
     pkgs = [p for p in unpacked.glob("_ray_pkg_*") if p.is_dir()]
     assert len(pkgs) == 1, f"expected one unpacked working dir under {unpacked}, found {pkgs}"
     pkg = pkgs[0]
-    assert (pkg / "rlhf" / "driver.py").is_file() and (pkg / "configs" / "tiny_cpu.yaml").is_file()
+    assert (pkg / "rlhf" / "driver" / "loop.py").is_file() and (pkg / "configs" / "tiny_cpu.yaml").is_file()
     assert not any((pkg / name).exists() for name in (".git", ".venv", "out", "wandb"))
     size = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file())
     assert size < 20 * 2**20, f"the working dir upload is {size / 2**20:.1f} MiB; extend .rayignore"
