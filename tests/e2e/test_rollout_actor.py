@@ -27,15 +27,19 @@ def test_engine_actor_generates_and_updates(ray_session, tmp_path):
     save_tokenizer(build_tokenizer(cfg.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
     engine = spawn(VLLMEngine, "rollout", 0, str(tmp_path), RolloutConfig(max_new_tokens=4), max_model_len=64)
-    prompts = [[1, 5, 6, 14, 7, 17], [1, 9, 14, 9, 17]]
-    out = engine.call("generate", prompts, n=3, seed=0, timeout_s=600)
-    assert len(out) == 6 and {c.prompt_index for c in out} == {0, 1}
-    assert all(len(c.logp) == len(c.token_ids) > 0 and c.weight_version == 0 for c in out)
-    info = engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg)), version=7)
-    assert info["version"] == 7
-    assert {c.weight_version for c in engine.call("generate", prompts, n=1)} == {7}
-    with pytest.raises(RoleError, match=r"rollout rank 0: update_weights raised WeightUpdateRejected"):
-        engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg))[:-1], version=8)
+    try:
+        prompts = [[1, 5, 6, 14, 7, 17], [1, 9, 14, 9, 17]]
+        out = engine.call("generate", prompts, n=3, seed=0, timeout_s=600)
+        assert len(out) == 6 and {c.prompt_index for c in out} == {0, 1}
+        assert all(len(c.logp) == len(c.token_ids) > 0 and c.weight_version == 0 for c in out)
+        info = engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg)), version=7)
+        assert info["version"] == 7
+        assert {c.weight_version for c in engine.call("generate", prompts, n=1)} == {7}
+        with pytest.raises(RoleError, match=r"rollout rank 0: update_weights raised WeightUpdateRejected"):
+            engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg))[:-1], version=8)
+    finally:  # vLLM unlinks its shared memory on close; a killed actor cannot
+        engine.call("close", timeout_s=60)
+        engine.kill()
 
 
 def test_failures_and_timeouts_name_role_and_rank(ray_session):
