@@ -145,6 +145,13 @@ class TrainerWorker(PolicyWorker):
                          same_device=same_device)
         return SendReply(stats.bytes_sent, stats.bytes_shm_sent, stats.bytes_local, t0, time.time() - t0)
 
+    def hf_shards(self) -> tuple[list, dict]:
+        """This rank's HF pieces and the tensors holding them: what a gather-then-broadcast sync collects
+        (the in-loop resharding benchmark's baseline)."""
+        self.trainer.onload(self._device())
+        sharding, tensors = self.trainer.export_shards()
+        return list(sharding.pieces), {n: t.contiguous() for n, t in tensors.items()}
+
     # --- checkpoints ---
     def save(self, ckpt_dir: str) -> dict:
         from rlhf.checkpoint import save_rank

@@ -13,6 +13,12 @@ Without it the plan runs over real gloo processes on this machine (one per rank 
 world), timed beside its measured floor and the gather-then-broadcast baseline (`benchmarks.reshard_run`):
 
     python -m benchmarks.reshard_bench --model configs/model/qwen3_moe_small.yaml --src pp=2,tp=2 --dst tp=1,ep=4,engines=1
+
+`--in-loop` measures the same pair through real roles as `rlhf train` runs them (Ray actors, vLLM
+engines whose every worker is a rank of the sync group), beside gather-then-broadcast into the same
+engines (`benchmarks.reshard_loop`):
+
+    python -m benchmarks.reshard_bench --in-loop --model configs/model/qwen3_moe_small.yaml --src dp=2,ep=2 --dst tp=2
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ def parse_topology(text: str) -> Topology:
 def run(args: argparse.Namespace) -> dict:
     cfg = load_model_config(args.model)
     src_layout, dst_layout = parse_layout(Layout, args.src), parse_layout(InferenceLayout, args.dst)
+    if args.in_loop:
+        from benchmarks.reshard_loop import run_in_loop
+
+        out = {"src": f"trainer {src_layout}", "dst": f"engines {dst_layout}", "model": cfg.name}
+        return out | run_in_loop(cfg, src_layout, dst_layout, args.repeats)
     if not args.simulate:
         from benchmarks.reshard_run import run_real
 
@@ -90,6 +101,9 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.reshard_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--simulate", action="store_true", help="plan only and report the floor at the topology's bandwidth")
+    parser.add_argument("--in-loop", action="store_true",
+                        help="through real roles on Ray (vLLM engines, every worker a sync rank), beside "
+                             "gather-then-broadcast into the same engines")
     parser.add_argument("--bucket-mb", type=int, default=32, help="bucket size of the real run (MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of the real run (best is kept)")
     parser.add_argument("--topology", default="cm384", help="cm384 or single_node:N")

@@ -225,7 +225,7 @@ class Run:
         link = replace(self.inputs.sync.topology, link_bytes_per_s=self.link_bytes_per_s or
                        self.inputs.sync.topology.link_bytes_per_s)
         m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
-        self.sync_seconds += m["time/sync"]
+        self.sync_seconds += self.phase_seconds.get("weight sync", m["time/sync"])  # what the loop waited
         self.step_seconds += seconds
         self.last_sync = sync
         m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
@@ -234,8 +234,9 @@ class Run:
             m["accuracy/heldout"] = acc
         self.tracker.log(m, step)
         self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
-                                               "parity/mean_abs_diff", "time/step",
-                                               "time/sync", "sync/bytes_received", "sync/bytes_shm")} | {"step": step})
+                                               "parity/mean_abs_diff", "time/step", "time/sync", "time/sync_transfer",
+                                               "time/sync_install", "sync/bytes_received", "sync/bytes_shm")}
+                            | {"step": step})
         self.progress.update(step, {"reward": m["reward/mean"], "acc": acc if acc is not None else float("nan"),
                                     "sync_MB": (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6})
 
@@ -267,6 +268,9 @@ class Run:
             "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
             "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],
             "sync_share": round(self.sync_seconds / self.step_seconds, 4) if self.step_seconds else None,
+            "sync_seconds_mean": _mean(h["time/sync"] for h in self.history),
+            "sync_transfer_seconds_mean": _mean(h["time/sync_transfer"] for h in self.history),
+            "sync_install_seconds_mean": _mean(h["time/sync_install"] for h in self.history),
             "sync_link_gb_per_s": round(self.link_bytes_per_s / 1e9, 3),
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
@@ -297,3 +301,8 @@ class Run:
 
             ray.shutdown()
             self.ray_owned = False
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return round(sum(values) / len(values), 4) if values else None
