@@ -44,6 +44,9 @@ class UpdateReply:
     router: Optional[list]  # tokens per expert per MoE layer of the stage ([layers][experts]); one rank per stage
     start: float
     seconds: float
+    # on-policy updates: the trainer's logprobs of the batch before the step (from the update's own forward),
+    # from the ranks that return rows (last stage, TP index 0)
+    logprobs: Optional[LogprobsReply] = None
 
 
 @dataclass(frozen=True)

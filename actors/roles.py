@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from actors.remote import RoleHandle, call_all, spawn
-from actors.replies import ScoreReply, SyncReplies
+from actors.replies import LogprobsReply, ScoreReply, SyncReplies
 from rlhf.schema import RewardKind, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
@@ -119,13 +119,8 @@ class Roles:
 
     def logprobs(self, group: Sequence[RoleHandle], batch_ref) -> tuple:
         """(logp [B, T-1], entropy [B, T-1], per-rank replies) of a policy group over the whole batch."""
-        import torch
-
         outs = self.all(group, "logprobs", batch_ref)
-        parts = [o for o in outs if o is not None]
-        rows = torch.cat([o.rows for o in parts])
-        order = torch.argsort(rows)
-        return torch.cat([o.logp for o in parts])[order], torch.cat([o.entropy for o in parts])[order], outs
+        return (*batch_logprobs(outs), outs)
 
     def link_probe(self, sync_layout, nbytes: int = 32 << 20, rounds: int = 4) -> float:
         """Bytes per second from trainer rank 0 to the last engine's first worker over the weight-sync group
@@ -185,3 +180,13 @@ def connect(p, log=print) -> bool:
     log(f"ray: started an embedded local instance ({num_cpus} CPUs, {resources or 'no custom resources'}); "
         f"actor logs are under /tmp/ray/session_latest/logs")
     return True
+
+
+def batch_logprobs(replies: Sequence[Optional[LogprobsReply]]) -> tuple:
+    """(logp [B, T-1], entropy [B, T-1]) in batch order, from the ranks' replies (None from ranks that
+    return no rows)."""
+    import torch
+
+    parts = [r for r in replies if r is not None]
+    order = torch.argsort(torch.cat([r.rows for r in parts]))
+    return torch.cat([r.logp for r in parts])[order], torch.cat([r.entropy for r in parts])[order]

@@ -65,11 +65,7 @@ class PolicyWorker:
         out = self.trainer.logprobs(mbs, batch.temperature)
         if not self._returns_rows:
             return None
-        T = batch.mask_BT.shape[1]
-        rows = torch.cat([mb.extras["rows"] for mb in mbs])
-        logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
-        ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
-        return LogprobsReply(rows, logp, ent, t0, time.time() - t0)
+        return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0)
 
     def offload(self) -> int:
         return self.trainer.offload()
@@ -98,14 +94,21 @@ class TrainerWorker(PolicyWorker):
         self.trainer.onload(self._device())
         c = self.layout.coords(self.rank)
         record, losses, norms = LossRecord(), [], []
+        # on-policy (no old logprobs in the batch): the first forward's logprobs are the sampling weights'
+        # own, returned for the parity check and the entropy metric instead of a separate pass
+        seen: list[tuple] = [] if batch.old_logp_BT is None else None
+
+        def loss(logp, ent, mb):
+            if seen is not None and len(losses) == 0:
+                seen.append((mb.extras["rows"], logp.detach(), ent.detach()))
+            return policy_loss(self.algo, logp, ent, mb.extras, normaliser, record)
+
         for _ in range(self.tcfg.epochs):
             for rows in mini_batches:
                 rows = list(rows)
                 normaliser = loss_normaliser(self.algo, batch.mask_BT[rows])
                 mbs = batch.micro_batches(rows, self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
-                out = self.trainer.train_step(
-                    mbs, lambda logp, ent, mb: policy_loss(self.algo, logp, ent, mb.extras, normaliser, record),
-                    batch.temperature)
+                out = self.trainer.train_step(mbs, loss, batch.temperature)
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
         n = max(record.tokens, 1.0)
@@ -114,7 +117,11 @@ class TrainerWorker(PolicyWorker):
                             kl=record.kl / n, entropy=record.entropy / n, tokens=record.tokens)
         router = self.trainer.router_stats()  # a collective over the stage: every rank calls it
         # every rank reports its own token-weighted sums; the driver combines DP ranks
-        return UpdateReply(stats, router.tolist() if self._returns_rows else None, t0, time.time() - t0)
+        logprobs = None
+        if seen and self._returns_rows:
+            rows, out = [r for r, _, _ in seen], [(lp, e) for _, lp, e in seen]
+            logprobs = _rows_reply(batch, rows, out, t0)
+        return UpdateReply(stats, router.tolist() if self._returns_rows else None, t0, time.time() - t0, logprobs)
 
     # --- weight sync ---
     def join_sync(self, host: str, port: int, world_size: int) -> bool:
@@ -171,3 +178,12 @@ class TrainerWorker(PolicyWorker):
         self.trainer.onload(self._device())
         load_rank(Path(ckpt_dir), self.rank, self.trainer)
         return {"seconds": time.time() - t0}
+
+
+def _rows_reply(batch: TokenBatch, rows: list[torch.Tensor], out: list[tuple[torch.Tensor, torch.Tensor]],
+                t0: float) -> LogprobsReply:
+    """Per-micro-batch (logp, entropy) [rows, T'-1], padded to the batch's length, with their batch rows."""
+    T = batch.mask_BT.shape[1]
+    logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
+    ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
+    return LogprobsReply(torch.cat(rows), logp, ent, t0, time.time() - t0)

@@ -63,7 +63,10 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
                 normaliser: float, record: LossRecord | None = None) -> torch.Tensor:
     """The loss of one micro-batch, already divided by the mini-batch's global `normaliser`, so that
     summing gradients over micro-batches and DP ranks gives the mini-batch gradient."""
-    mask, adv, old_logp = extras["mask"], extras["advantages"], extras["old_logp"]
+    mask, adv = extras["mask"], extras["advantages"]
+    # on-policy (`on_policy`): the weights that sampled are the ones this forward runs, so the ratio's
+    # denominator is this very logprob, detached (ratio 1, the gradient of the clipped objective unchanged)
+    old_logp = extras["old_logp"] if "old_logp" in extras else logp_BT.detach()
     if cfg.estimator is Estimator.gspo:
         stats = gspo_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, normaliser)
     else:
@@ -88,6 +91,13 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
 
 def _aggregation(cfg: AlgorithmConfig) -> LossAggregation:
     return LossAggregation.seq_mean_token_mean if cfg.estimator is Estimator.gspo else cfg.loss_aggregation
+
+
+def on_policy(cfg: AlgorithmConfig, epochs: int, mini_batches: int) -> bool:
+    """Whether the update's only forward runs the weights that sampled (one mini-batch, one epoch): then
+    no separate pass computes the old logprobs (`policy_loss` takes them from that forward), unless the
+    reward needs them before the update (`kl_in_reward`)."""
+    return epochs == 1 and mini_batches == 1 and not (cfg.kl_in_reward and cfg.kl_coef > 0)
 
 
 def kl_reward_penalty(cfg: AlgorithmConfig, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor,

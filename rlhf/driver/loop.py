@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 import time
 
-from rlhf.algorithms.objective import advantages, kl_reward_penalty
+from actors.roles import batch_logprobs
+from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
 from rlhf.driver.rollout import collect
 from rlhf.driver.run import Run
 from rlhf.parity import logprob_parity
@@ -30,11 +31,14 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
             with run.phase("rollout", step):
                 ro = collect(cfg, roles, run.inputs.sampler, run.inputs.tokenizer, step)
             batch = run.token_batch(ro)
+            mini_batches = run.mini_batches(len(batch), step)
             with run.phase("switch to training", step):
                 run.switch("sleep", "onload")
-            with run.phase("old logprobs", step):
-                old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch))
-            run.trace_ranks("old logprobs", roles.trainer, replies, step)
+            old_logp = entropy = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
+            if not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches)):
+                with run.phase("old logprobs", step):
+                    old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch))
+                run.trace_ranks("old logprobs", roles.trainer, replies, step)
             ref_logp = run.reference_logprobs(batch, step)
             rewards_PG = ro.rewards_PG
             if cfg.algorithm.kl_in_reward and ref_logp is not None:
@@ -42,8 +46,10 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
             batch = batch.with_(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp,
                                 ref_logp_BT=ref_logp)
             with run.phase("update", step):
-                updates = roles.all(roles.trainer, "update", run.put(batch), run.mini_batches(len(batch), step))
+                updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches)
             run.trace_ranks("update", roles.trainer, updates, step)
+            if old_logp is None:
+                old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
             with run.phase("weight sync", step):
                 sync = roles.sync_weights(run.inputs.sync, step, run.inputs.same_device)
             run.trace_ranks("weight sync", roles.trainer + roles.engines, sync.sends + sync.receives, step)

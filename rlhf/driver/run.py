@@ -111,6 +111,8 @@ class Run:
         tracker = Tracker(cfg.tracking, as_dict(cfg))
         tracker.trace = Trace(inputs.out / "trace.json", enabled=cfg.tracking.trace)
         run = Run(cfg, inputs, log, tracker)
+        if inputs.resume_dir is None:  # a new run's steps.jsonl starts empty; a resumed run appends
+            (inputs.out / "steps.jsonl").unlink(missing_ok=True)
         try:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
@@ -233,6 +235,8 @@ class Run:
         if acc is not None:
             m["accuracy/heldout"] = acc
         self.tracker.log(m, step)
+        with (self.inputs.out / "steps.jsonl").open("a") as f:  # every metric of every step, readable as it runs
+            f.write(json.dumps({"step": step} | m) + "\n")
         self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
                                                "parity/mean_abs_diff", "time/step", "time/sync", "time/sync_transfer",
                                                "time/sync_install", "sync/bytes_received", "sync/bytes_shm")}

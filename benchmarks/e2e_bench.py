@@ -1,0 +1,134 @@
+"""End-to-end throughput of the RL step: `rlhf train` on a real-sized shape with long completions.
+
+    python -m benchmarks.e2e_bench                       # configs/small_cpu.yaml: warm-up + 3 measured steps
+    python -m benchmarks.e2e_bench --steps 5 trainer.dp=1 rollout.num_engines=1   # other layouts, overrides
+
+Builds the policy first (random weights of the config's model shape and a tokenizer padded to its
+vocabulary, with the tiny task's prompt files; our own code, once per shape under `model.path`), then
+runs `rlhf.driver.train` with `--warmup` + `--steps` steps and a sampler of the whole process tree's
+memory. The last line is one JSON object: `tokens_per_second` (generated tokens over the measured
+steps' seconds), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib`
+(resident memory of the whole tree, above what the machine used before the run) and per role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_policy(cfg) -> Path:
+    """Random weights of `cfg.model`'s shape, a padded tokenizer and the tiny task's prompt files."""
+    from rlhf.data.arithmetic import make_problems, write_jsonl
+    from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
+    from rlhf.model.hf_io import save_pretrained
+    from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    d = Path(cfg.model.path)
+    if not (d / "config.json").is_file():
+        model = Qwen3MoeForCausalLM(cfg.model)
+        model.init_weights(cfg.seed, std=0.02)
+        save_tokenizer(build_tokenizer(cfg.model.vocab_size), d, model_max_length=cfg.model.max_position_embeddings)
+        save_pretrained(model, d)
+        train = make_problems(2048, seed=cfg.seed)
+        write_jsonl(train, d / "train.jsonl")
+        write_jsonl(make_problems(64, seed=cfg.seed + 1, exclude={p.prompt for p in train}), d / "heldout.jsonl")
+    return d
+
+
+class MemorySampler:
+    """Resident memory of this process and all its descendants (Ray workers, vLLM processes), sampled
+    every `period` seconds; the peak, and each role's peak by process title (`ray::TrainerWorker`, ...)."""
+
+    ROLES = {"TrainerWorker": "trainer", "PolicyWorker": "reference", "VLLMEngine": "rollout", "VLLM": "rollout",
+             "RewardWorker": "reward", "RuleRewardWorker": "reward"}
+
+    def __init__(self, period: float = 0.5):
+        import psutil
+
+        self.psutil, self.period = psutil, period
+        self.idle = psutil.virtual_memory().used
+        self.peak_used, self.peak_tree, self.peak_roles = 0, 0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        me = self.psutil.Process()
+        while not self._stop.wait(self.period):
+            try:
+                procs = [me] + me.children(recursive=True)
+            except self.psutil.Error:
+                continue
+            roles: dict[str, int] = {}
+            tree = 0
+            for p in procs:
+                try:
+                    rss, title = p.memory_info().rss, " ".join(p.cmdline()[:1])
+                except self.psutil.Error:
+                    continue
+                tree += rss
+                role = next((r for key, r in self.ROLES.items() if key in title), "other")
+                roles[role] = roles.get(role, 0) + rss
+            self.peak_tree = max(self.peak_tree, tree)
+            self.peak_used = max(self.peak_used, self.psutil.virtual_memory().used)
+            for role, b in roles.items():
+                self.peak_roles[role] = max(self.peak_roles.get(role, 0), b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "small_cpu.yaml"))
+    parser.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
+    args = parser.parse_args(argv)
+
+    from rlhf.config import load_run_config
+    from rlhf.driver import train
+
+    total = args.warmup + args.steps
+    cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
+    build_policy(cfg)
+    gib = 1 << 30
+    with MemorySampler() as mem:
+        t0 = time.time()
+        result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+        wall = time.time() - t0
+    lines = (Path(cfg.output_dir) / "steps.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines][-total:][args.warmup:]  # this run's steps
+    seconds = sum(s["time/step"] for s in steps)
+    phases: dict[str, float] = {}
+    for s in steps:
+        for k, v in s.items():
+            if k.startswith("time/"):
+                phases[k[5:]] = phases.get(k[5:], 0.0) + v / len(steps)
+    tokens = sum(s["rollout/generated_tokens"] for s in steps)
+    out = {"config": args.config, "overrides": args.overrides, "warmup": args.warmup, "steps": len(steps),
+           "tokens_per_second": round(tokens / seconds, 1), "seconds_per_step": round(seconds / len(steps), 2),
+           "generated_tokens_per_step": tokens / len(steps),
+           "phase_seconds": {k: round(v, 3) for k, v in sorted(phases.items())},
+           "sync_bytes_per_step": result["sync_bytes_per_step"], "sync_share": result["sync_share"],
+           "peak_memory_gib": round((mem.peak_used - mem.idle) / gib, 2),
+           "peak_tree_rss_gib": round(mem.peak_tree / gib, 2),
+           "peak_memory_gib_per_role": {r: round(b / gib, 2) for r, b in sorted(mem.peak_roles.items())},
+           "wall_seconds": round(wall, 1)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
