@@ -122,13 +122,16 @@ class Experts(nn.Module):
         """SwiGLU expert `expert_R[r]` (an index into this module's stack) applied to row r."""
         order = torch.argsort(expert_R, stable=True)
         counts = torch.bincount(expert_R, minlength=self.gate_up_proj.shape[0]).tolist()
-        x_sorted = x_RH[order]
-        ys, start = [], 0
+        # Views per expert from one unbind of each stack and one split of the sorted rows: indexing or
+        # slicing them once per expert would make each expert's backward write a zero gradient the size of
+        # the whole stack (or of all rows) and add it up, E times per layer.
+        rows = x_RH[order].split(counts)
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        ys = []
         for e, n in enumerate(counts):
             if n:
-                gate, up = F.linear(x_sorted[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-                start += n
+                gate, up = F.linear(rows[e], gate_up[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, down[e]))
         if not ys:
             return x_RH.new_zeros(x_RH.shape) + 0 * self.down_proj.sum()  # keeps the graph for an empty batch
         return torch.cat(ys)[torch.argsort(order)]
