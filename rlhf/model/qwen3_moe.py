@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.model.head import head_logprobs
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig
 
 
@@ -240,10 +241,21 @@ class Qwen3MoeDecoder(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
 
+class LMHead(nn.Linear):
+    """The output projection. Given the next tokens it returns (logp, entropy) per position instead of
+    logits, fused and chunked over tokens (`rlhf.model.head`): what a policy update needs, without the
+    [tokens, vocab] tensors. Through `forward`, so modules that wrap it (ZeRO-3's gather) see both uses."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, temperature: float = 1.0):
+        if targets is None:
+            return super().forward(x)
+        return head_logprobs(x, self.weight, targets, temperature)
+
+
 class Qwen3MoeForCausalLM(Qwen3MoeDecoder):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -35,7 +35,7 @@ class PipelineRunner:
         x = m.model.embed_tokens(mb.input_ids_BT) if self.first else x_in
         for i in self.stages[self.stage]:
             x = m.model.layers[i](x, *ctx)
-        return m.lm_head(m.model.norm(x)) if self.last else x
+        return m.model.norm(x) if self.last else x  # the last stage's hidden states: `score` applies the head
 
     def _recv(self, mb, src: int) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape

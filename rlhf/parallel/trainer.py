@@ -11,7 +11,6 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -102,18 +101,23 @@ class ParallelTrainer:
     def is_last_stage(self) -> bool:
         return self.stage == self.layout.pp - 1
 
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model(mb.input_ids_BT, mb.attention_mask_BT)
+    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
+        return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT)
+
+    def _score(self, temperature: float):
+        """(final hidden states [B, T, H], input ids) -> (logp, entropy) [B, T-1] of each next token, through
+        the fused LM head (no [tokens, vocab] logits)."""
+        return lambda hidden_BTH, ids_BT: self.model.lm_head(hidden_BTH[:, :-1], ids_BT[:, 1:], temperature)
 
     @torch.no_grad()
     def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0
                  ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(logp_BT, entropy_BT) per micro-batch on the last pipeline stage; None on other stages."""
         self.model.eval()
-        score = partial(token_logprobs, temperature=temperature)
+        score = self._score(temperature)
         if self.pipeline is not None:
             return self.pipeline.forward_only(micro_batches, score)
-        return [score(self._logits(mb), mb.input_ids_BT) for mb in micro_batches]
+        return [score(self._hidden(mb), mb.input_ids_BT) for mb in micro_batches]
 
     # --- training ---
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict:
@@ -121,7 +125,7 @@ class ParallelTrainer:
         those of softmax(logits / temperature), the distribution the rollout sampled from."""
         self._check_onloaded()
         self.model.train()
-        score = partial(token_logprobs, temperature=temperature)
+        score = self._score(temperature)
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -132,7 +136,7 @@ class ParallelTrainer:
         else:
             losses = []
             for mb in micro_batches:
-                logp, ent = score(self._logits(mb), mb.input_ids_BT)
+                logp, ent = score(self._hidden(mb), mb.input_ids_BT)
                 loss = loss_fn(logp, ent, mb)
                 loss.backward()
                 losses.append(loss.detach())

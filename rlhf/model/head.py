@@ -1,0 +1,78 @@
+"""Per-token logprobs and entropies of the LM head, fused and chunked over tokens.
+
+For a policy update only two numbers per token are needed from the [tokens, vocab] logits: the sampled
+token's logprob and the distribution's entropy. Materialising the logits, their float copy, the
+log-softmax, its exp and their product (five [tokens, vocab] tensors, about 0.5 GB each for 4,000 tokens
+of a 32,000-token vocabulary) makes the step memory-bound. Here the logits exist one chunk of tokens
+at a time, in forward and again (recomputed) in backward:
+
+    z = h W^T / temperature            lse = logsumexp(z)       p = exp(z - lse)
+    logp = z[target] - lse             H = lse - sum(p z)
+    dL/dz = g_logp (onehot(target) - p) - g_H p (z - lse + H)        (then / temperature)
+
+Legend: N tokens, H hidden, V vocabulary, C tokens per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_TOKENS = 1024
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int):
+        N = hidden_NH.shape[0]
+        logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
+        ent_N = torch.empty_like(logp_N)
+        for a in range(0, N, chunk):
+            z_CV, lse_C = _logits(hidden_NH[a:a + chunk], weight_VH, temperature)
+            logp_N[a:a + chunk] = z_CV.gather(1, targets_N[a:a + chunk, None]).squeeze(1) - lse_C
+            ent_N[a:a + chunk] = lse_C - (torch.exp(z_CV - lse_C[:, None]) * z_CV).sum(-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent_N)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp_N, ent_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N):
+        hidden_NH, weight_VH, targets_N, ent_N = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
+            if ctx.needs_input_grad[1] else None
+        g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
+        g_ent_N = torch.zeros_like(ent_N) if g_ent_N is None else g_ent_N.float()
+        for a in range(0, hidden_NH.shape[0], chunk):
+            h_CH = hidden_NH[a:a + chunk]
+            z_CV, lse_C = _logits(h_CH, weight_VH, T)
+            p_CV = torch.exp(z_CV - lse_C[:, None])
+            g_lp, g_h = g_logp_N[a:a + chunk, None], g_ent_N[a:a + chunk, None]
+            # dL/dz = g_logp (onehot - p) - g_H p (log p + H), log p = z - lse
+            dz_CV = -(g_lp + g_h * (z_CV - lse_C[:, None] + ent_N[a:a + chunk, None])) * p_CV
+            dz_CV.scatter_add_(1, targets_N[a:a + chunk, None], g_lp)
+            if T != 1.0:
+                dz_CV /= T
+            dz = dz_CV.to(weight_VH.dtype)
+            if grad_h is not None:
+                grad_h[a:a + chunk] = dz @ weight_VH
+            if grad_w is not None:
+                grad_w += (dz.T @ h_CH).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight_VH.dtype), None, None, None
+
+
+def _logits(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z_CV = (h_CH @ weight_VH.T).float()
+    if temperature != 1.0:
+        z_CV /= temperature
+    return z_CV, torch.logsumexp(z_CV, dim=-1)
+
+
+def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,
+                  temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [B, T] in fp32: log softmax(h W^T / temperature)[target] and the entropy of that
+    distribution, for every position of `hidden_BTH` (with `targets_BT` its next tokens)."""
+    B, T, H = hidden_BTH.shape
+    logp_N, ent_N = _HeadLogprobs.apply(hidden_BTH.reshape(B * T, H), weight_VH, targets_BT.reshape(-1),
+                                        float(temperature), int(chunk))
+    return logp_N.view(B, T), ent_N.view(B, T)
