@@ -20,6 +20,9 @@ from rlhf.schema import DeviceType, RolloutConfig
 log = logging.getLogger(__name__)
 
 
+SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
+
+
 class WeightUpdateRejected(ValueError):
     """An update failed its checks before any weight was touched; the engine keeps its old weights."""
 
@@ -38,6 +41,9 @@ class Completion:
 def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None) -> None:
     # vLLM logs to stdout by default; our commands keep stdout for their results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default
+    # is too short on a busy machine, and a killed worker leaves its shared memory behind)
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(SHUTDOWN_GRACE_S)))
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         if cpu_cores:
@@ -197,9 +203,17 @@ class VLLMEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        if self.sync_ranks:  # the workers leave the weight-sync group first, or they do not exit
+            try:
+                llm.collective_rpc("rlhf_leave_sync", timeout=30)
+            except Exception as e:
+                log.warning("engine close: leaving the weight-sync group failed (%s); shutting down anyway", e)
+            self.sync_ranks = []
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None:
-            core.shutdown()
+            # vLLM force-kills processes that have not exited after 5 s, skipping their cleanup (shared memory
+            # segments stay in /dev/shm); on a busy machine exiting takes longer
+            core.shutdown(timeout=SHUTDOWN_GRACE_S)
         self.llm = None
         import gc
 

@@ -175,6 +175,18 @@ class WeightUpdateExtension:
         self._rlhf_group = transfer_group(backend, host, port, rank, world_size, timeout_s)
         return rank
 
+    def rlhf_leave_sync(self) -> bool:
+        """Leave the weight-sync group and drop what the syncs kept (staging buffers, shared-memory segments),
+        so the worker exits when the engine shuts down."""
+        from weight_sync.shm import release_segments
+
+        group = getattr(self, "_rlhf_group", None)
+        self._rlhf_group = self._rlhf_sync = self._rlhf_staging = None
+        release_segments()
+        if group is not None:
+            group.close()
+        return group is not None
+
     def _rlhf_mine(self, payload: bytes):
         """The sync layout (pickled by the driver), its plan and this worker's part of the engine spec;
         kept while the payload does not change."""

@@ -56,6 +56,16 @@ class TransferGroup:
     def recv(self, tensors, peer: int, tag: int = 0):
         return self.group.recv(tensors, peer, tag)
 
+    def close(self) -> None:
+        """Shut the group down and drop the store: its threads and connections must not outlive the
+        member (a vLLM worker that still holds them does not exit when its engine shuts down)."""
+        group, self.group, self.store = self.group, None, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # already broken (a peer died): nothing left to wind down
+                pass
+
 
 def isend(buf: torch.Tensor, peer: int, group=None, tag: int = 0):
     """Post a send to `peer` on `group` (a `TransferGroup`), or on the default group when None."""
