@@ -1,0 +1,90 @@
+"""One policy update of the trainer on a real-sized shape, timed and profiled without Ray or vLLM.
+
+    python -m benchmarks.update_profile                # one rank, 32 samples x (8 + 128) tokens, small model
+    python -m benchmarks.update_profile --ranks 2      # dp2 x ep2 over two gloo processes, 64 samples
+
+Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
+steps (GRPO loss, one optimizer step each) and a third under `torch.profiler`; prints rank 0's ops by
+self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches.
+The weights are random (our code), written once to `out/bench/<model name>-update`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int) -> dict:
+    import torch
+
+    from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
+    from rlhf.batch import TokenBatch
+    from rlhf.config import load_model_config
+    from rlhf.layout import Layout
+    from rlhf.parallel.trainer import ParallelTrainer
+    from rlhf.schema import AlgorithmConfig, TrainerConfig
+
+    torch.set_num_threads(1)
+    cfg = load_model_config(model_yaml)
+    g = torch.Generator().manual_seed(0)
+    B = samples_per_rank * ranks
+    prompts = [[1] + torch.randint(3, 30, (7,), generator=g).tolist() for _ in range(B)]
+    responses = [torch.randint(3, cfg.vocab_size, (new_tokens,), generator=g).tolist() for _ in range(B)]
+    batch = TokenBatch.from_samples(prompts, responses, [[-1.0] * new_tokens] * B)
+    batch = batch.with_(advantages_B=torch.randn(B, generator=g))
+    layout = Layout(dp=ranks, ep=ranks)
+    trainer = ParallelTrainer(cfg, TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=4096), layout, rank, model_dir)
+    algo = AlgorithmConfig()
+    normaliser = loss_normaliser(algo, batch.mask_BT)
+    mbs = batch.micro_batches(list(range(B)), ranks, layout.coords(rank).dp, 4096)
+
+    def step():
+        trainer.train_step(mbs, lambda lp, e, mb: policy_loss(algo, lp, e, mb.extras, normaliser, LossRecord()))
+
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        step()
+        seconds.append(round(time.perf_counter() - t0, 2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return {"step_seconds": seconds, "micro_batches": len(mbs),
+            "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.update_profile", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(REPO / "configs" / "model" / "qwen3_moe_small.yaml"))
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2, 4), help="dp = ep = ranks gloo processes")
+    parser.add_argument("--samples-per-rank", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+
+    from rlhf.config import load_model_config
+    from rlhf.model.hf_io import save_pretrained
+    from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+    from rlhf.parallel.launch import run_ranks
+
+    cfg = load_model_config(args.model)
+    model_dir = REPO / "out" / "bench" / f"{cfg.name}-update"
+    if not (model_dir / "config.json").is_file():
+        model = Qwen3MoeForCausalLM(cfg)
+        model.init_weights(0, std=0.02)
+        save_pretrained(model, model_dir)
+    results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
+                        args.new_tokens, timeout_s=1800)
+    print(results[0]["table"], file=sys.stderr)
+    print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
+                      "new_tokens": args.new_tokens, "micro_batches": results[0]["micro_batches"],
+                      "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
