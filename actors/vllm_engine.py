@@ -137,19 +137,22 @@ class VLLMEngine:
         """Every worker receives its own part of the sync plan (`rlhf.placement.transfer.SyncLayout`),
         checksummed; then, only if every worker's part arrived intact, every worker installs its part
         exactly. A corrupted or non-finite part raises `WeightUpdateRejected` and the engine goes on
-        serving the previous version (on cpu nothing was touched). `inject_fault` (tests only) corrupts
-        one element received by the engine's last worker (its part is rejected, the others' are intact)."""
+        serving the previous version (on cpu nothing was touched). An engine of one worker does both in
+        one call (no other worker's verdict to wait for). `inject_fault` (tests only) corrupts one element
+        received by the engine's last worker (its part is rejected, the others' are intact)."""
         import pickle
         import time
 
         t0 = time.time()
         payload, pairs = pickle.dumps(sync), [list(p) for p in same_device]
         fault_rank = self.sync_ranks[-1] if inject_fault else -1
+        one_call = len(self.sync_ranks) == 1
         try:
-            received = self.llm.collective_rpc("rlhf_receive", args=(payload, pairs, fault_rank))
+            received = self.llm.collective_rpc("rlhf_sync" if one_call else "rlhf_receive",
+                                               args=(payload, pairs, fault_rank))
         except Exception:
-            if self.device_type is not DeviceType.cpu:
-                self.serving = False  # parts may have been received in place: never serve a mix
+            if self.device_type is not DeviceType.cpu or one_call:
+                self.serving = False  # parts may have been written (in place, or installed): never serve a mix
             raise
         bad = [r for r in received if not r["ok"]]
         if bad:
@@ -158,14 +161,24 @@ class VLLMEngine:
             raise WeightUpdateRejected(f"weight sync to version {version} rejected on transfer rank {bad[0]['rank']}"
                                        f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
                                        f": {bad[0]['error']}")
-        t1 = time.time()
-        self.serving = False
-        try:
-            self.llm.collective_rpc("rlhf_install")
-        except Exception as e:
-            log.error("weight sync to version %d failed while installing; the engine refuses to generate until a "
-                      "sync succeeds: %s", version, (str(e).splitlines() or [type(e).__name__])[0])
-            raise
+        if one_call:
+            failed = received[0].get("install_error")
+            if failed:
+                self.serving = False
+                log.error("weight sync to version %d failed while installing; the engine refuses to generate until "
+                          "a sync succeeds: %s", version, failed)
+                raise RuntimeError(f"weight sync to version {version} failed while installing: {failed}")
+            install_s = received[0]["install_seconds"]
+            t1 = time.time() - install_s
+        else:
+            t1 = time.time()
+            self.serving = False
+            try:
+                self.llm.collective_rpc("rlhf_install")
+            except Exception as e:
+                log.error("weight sync to version %d failed while installing; the engine refuses to generate until "
+                          "a sync succeeds: %s", version, (str(e).splitlines() or [type(e).__name__])[0])
+                raise
         self.serving, self.weight_version = True, version
         per_rank = tuple(r["bytes_received"] + r["bytes_shm"] for r in received)
         return ReceiveReply(version, sum(r["bytes_received"] for r in received), sum(r["bytes_shm"] for r in received),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import pickle
 import zlib
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -64,6 +65,55 @@ def _patch_cpu_moe_expert_map() -> None:
 _patch_cpu_moe_expert_map()
 
 
+def _count_key(loader, args):
+    """What decides the elements a weight loader copies: the loader (and the layer it is bound to), the
+    shapes and dtypes of its tensors and its other arguments (shard id, expert id, checkpoint name). None
+    when an argument is neither a tensor nor hashable (then the count is not remembered)."""
+    parts = []
+    for k, v in args.arguments.items():
+        if isinstance(v, torch.Tensor):
+            parts.append((k, tuple(v.shape), v.dtype))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            parts.append((k, v))
+    return getattr(loader, "__func__", loader), id(getattr(loader, "__self__", None)), tuple(parts)
+
+
+@contextmanager
+def _counts_remembered(memo: dict):
+    """vLLM's layer-wise reload runs every weight loader twice: once on meta tensors under a dispatch mode
+    that counts the elements it copies (to know when a layer is complete), then for real. The count and
+    the loader's return value depend only on what `_count_key` reads, so after the first update they are
+    looked up: the reload does the same work, minus that first pass (about half its time on the tiny
+    model). Without the hook (another vLLM build) the reload runs unchanged."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        yield
+        return
+    original = getattr(layerwise, "get_numel_loaded", None)
+    if original is None:
+        yield
+        return
+
+    def remembered(loader, args):
+        key = _count_key(loader, args)
+        if key is None:
+            return original(loader, args)
+        if key not in memo:
+            memo[key] = original(loader, args)
+        return memo[key]
+
+    layerwise.get_numel_loaded = remembered
+    try:
+        yield
+    finally:
+        layerwise.get_numel_loaded = original
+
+
 def tensor_crc32(t: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (catches any flipped bit); the same function on both sides."""
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
@@ -82,6 +132,10 @@ class WeightUpdateExtension:
         return out
 
     def _rlhf_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        with _counts_remembered(self.__dict__.setdefault("_rlhf_counts", {})):
+            return self._rlhf_reload_layerwise(weights)
+
+    def _rlhf_reload_layerwise(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         methods = self._rlhf_moe_methods()
         saved = {name: qm.moe_kernel for name, qm in methods}
         for _, qm in methods:
@@ -232,18 +286,31 @@ class WeightUpdateExtension:
         injector = _flip_first_element if fault_rank == self._rlhf_group.rank else None
         try:
             stats = run_plan(sync.plan(), self._rlhf_group.rank, None, dst, dtype, group=self._rlhf_group,
-                             same_device={tuple(p) for p in same_device}, fault_injector=injector)
+                             same_device={tuple(p) for p in same_device}, fault_injector=injector,
+                             check_finite=True)
         except ChecksumMismatch as e:
             log.error("weight sync rejected on worker %d: %s", self.rank, e)
             return {"ok": False, "error": str(e), "in_place": in_place, "rank": self._rlhf_group.rank}
-        bad = next((p for p in mine.pieces if not torch.isfinite(dst[p.buffer][p.buffer_slices()]).all()), None)
-        if bad is not None:
-            return {"ok": False, "error": f"{bad.param} holds non-finite values", "in_place": in_place,
+        if stats.nonfinite is not None:
+            return {"ok": False, "error": f"{stats.nonfinite} holds non-finite values", "in_place": in_place,
                     "rank": self._rlhf_group.rank}
         return {"ok": True, "in_place": in_place, "rank": self._rlhf_group.rank,
                 "bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
                 "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
                 "seconds": time.perf_counter() - t0}
+
+    def rlhf_sync(self, payload: bytes, same_device: list, fault_rank: int = -1) -> dict:
+        """`rlhf_receive`, then, if this worker's part arrived intact, `rlhf_install`, in one call: for an
+        engine of one worker, where no other worker's verdict has to be awaited. The reply's
+        "install_error" says the install failed part-way (the engine must not serve)."""
+        reply = self.rlhf_receive(payload, same_device, fault_rank)
+        if reply["ok"]:
+            try:
+                reply["install_seconds"] = self.rlhf_install()["seconds"]
+            except Exception as e:  # the model may hold a mix of versions
+                log.exception("weight install failed on worker %d", self.rank)
+                reply["install_error"] = f"{type(e).__name__}: {e}"
+        return reply
 
     def rlhf_install(self) -> dict:
         """Install what `rlhf_receive` staged: each HF tensor this worker holds a part of, with only its own

@@ -51,6 +51,7 @@ class SyncStats:
     buckets_sent: int = 0
     seconds: float = 0.0
     checked_transfers: int = 0
+    nonfinite: str | None = None  # with `check_finite`: a parameter whose received region holds NaN or inf
 
 
 _BLOCK_BYTES = 4096  # checksum block
@@ -160,7 +161,8 @@ def _pack_into(bucket: list[Transfer], src: Mapping[str, torch.Tensor], flat: to
 def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None,
              dtype: torch.dtype, group=None, bucket_bytes: int = 32 << 20, verify: bool = True,
              fault_injector: Callable[[int, torch.Tensor], None] | None = None,
-             same_device: Collection[tuple[int, int]] | None = None, alone_bytes: int = 256 << 10) -> SyncStats:
+             same_device: Collection[tuple[int, int]] | None = None, alone_bytes: int = 256 << 10,
+             check_finite: bool = False) -> SyncStats:
     """Move this rank's part of `plan`. `dtype` is what travels: sources of another dtype are cast as
     they are packed (an fp32 master copy sent to bf16 engines), destinations as they are copied in.
     `group`: None for the default torch.distributed group (plan ranks are global ranks), or a process
@@ -171,7 +173,9 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     from its source region and received straight into its destination region where those are
     contiguous (no packing, no copy-in). `fault_injector(peer, received_bucket)`, for tests only, may
     alter a received bucket (in shared memory too; the destination region itself for a transfer
-    received in place) before it is copied in (the checksum must then catch it)."""
+    received in place) before it is copied in (the checksum must then catch it). `check_finite`: each
+    received bucket is also checked for NaN / inf in one reduction; the first offender's parameter is
+    reported in `SyncStats.nonfinite` once the exchange has completed (no rank leaves it half-way)."""
     t0 = time.perf_counter()
     stats = SyncStats()
     elem = torch.empty((), dtype=dtype).element_size()
@@ -240,6 +244,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                     fault_injector(s, buf)
                 if verify:
                     received_sums[s].append((bucket, bucket_checksum(buf)))
+                if check_finite and stats.nonfinite is None and not bool(torch.isfinite(buf).all()):
+                    stats.nonfinite = _nonfinite_param(bucket, buf)
                 if in_place:
                     stats.bytes_in_place += buf.numel() * elem
                 else:
@@ -253,6 +259,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                         fault_injector(s, flat)
                     if verify:
                         received_sums[s].append((buckets[r], bucket_checksum(flat)))
+                    if check_finite and stats.nonfinite is None and not bool(torch.isfinite(flat).all()):
+                        stats.nonfinite = _nonfinite_param(buckets[r], flat)
                     _copy_in(buckets[r], flat, dst)
                     transport.done(s, r)
                     stats.bytes_shm += n * elem
@@ -265,6 +273,16 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         stats.checked_transfers = sum(len(b) for v in received_sums.values() for b, _ in v)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _nonfinite_param(bucket: list[Transfer], flat: torch.Tensor) -> str:
+    """The parameter of the first transfer in a bucket whose elements are not all finite."""
+    offset = 0
+    for t in bucket:
+        if not bool(torch.isfinite(flat.reshape(-1)[offset:offset + t.numel]).all()):
+            return t.param
+        offset += t.numel
+    return bucket[0].param
 
 
 class _NoTransport:

@@ -12,6 +12,7 @@ other moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from rlhf.layout import InferenceLayout, Layout, inference_layout, trainer_layout
@@ -70,14 +71,16 @@ class SyncLayout:
         return range(first, first + self.engines.ranks_per_engine)
 
     def src_spec(self) -> ShardSpec:
-        return trainer_shard_spec(self.model, self.trainer, zero_stage=self.zero_stage)
+        return _specs(self)[0]
 
     def dst_spec(self) -> ShardSpec:
-        return engine_shard_spec(self.model, self.engines, rank_offset=self.trainer.world_size)
+        return _specs(self)[1]
 
     def plan(self) -> Plan:
-        """Cached by `plan_reshard` while the specs and the topology's nodes do not change."""
-        return plan_reshard(self.src_spec(), self.dst_spec(), self.topology)
+        """Cached by `plan_reshard` while the specs and the topology's nodes do not change (the same spec
+        objects for an equal layout: every step's sync finds its plan at once)."""
+        src, dst = _specs(self)
+        return plan_reshard(src, dst, self.topology)
 
     def same_device_pairs(self, devices: Sequence[int] | None = None) -> frozenset[tuple[int, int]]:
         """(trainer rank, engine rank) pairs on one device, for `run_plan(..., same_device=...)`. `devices[r]`
@@ -88,6 +91,13 @@ class SyncLayout:
                              f"(the trainer's {self.trainer.world_size}, then {self.engines.world_size} engine ranks)")
         w = self.trainer.world_size
         return frozenset((r, e) for e in range(w, self.world_size) for r in range(w) if devices[r] == devices[e])
+
+
+@lru_cache(maxsize=4)
+def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
+    """The trainer's and the engines' shard specs of a sync layout, built once per (equal) layout."""
+    return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage),
+            engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size))
 
 
 def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> SyncLayout:
