@@ -65,7 +65,8 @@ class Roles:
         rpe = dm.ranks_per_engine
         engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
-                         cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), **slot("rollout", k * rpe))
+                         cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
+                         **slot("rollout", k * rpe))
                    for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())

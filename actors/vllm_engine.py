@@ -38,12 +38,19 @@ class Completion:
     weight_version: int  # the weights that produced it
 
 
-def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None) -> None:
+def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
+                      own_process: bool = False) -> None:
     # vLLM logs to stdout by default; our commands keep stdout for their results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default
     # is too short on a busy machine, and a killed worker leaves its shared memory behind)
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(SHUTDOWN_GRACE_S)))
+    # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
+    # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
+    in_process = cfg.engine_core_in_process
+    if in_process is None:
+        in_process = device_type is DeviceType.cpu and own_process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         if cpu_cores:
@@ -59,9 +66,12 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
 
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
-                 seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None):
-        """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to."""
-        _prepare_platform(device_type, cfg, cpu_cores)
+                 seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
+                 own_process: bool = False):
+        """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
+        process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
+        (`rollout.engine_core_in_process`)."""
+        _prepare_platform(device_type, cfg, cpu_cores, own_process)
         from vllm import LLM
 
         self.cfg = cfg
