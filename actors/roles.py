@@ -123,6 +123,13 @@ class Roles:
         outs = self.all(group, "logprobs", batch_ref)
         return (*batch_logprobs(outs), outs)
 
+    def ray_nodes(self) -> list[str]:
+        """The Ray node each placement node's group landed on (node ids), in placement-node order: where the
+        run really is, beside the placement file's numbering."""
+        import ray
+
+        return [ray.util.placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.placement_groups]
+
     def link_probe(self, sync_layout, nbytes: int = 32 << 20, rounds: int = 4) -> float:
         """Bytes per second from trainer rank 0 to the last engine's first worker over the weight-sync group
         (the link the sync floor is measured against): a second or less at start."""

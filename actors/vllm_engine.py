@@ -48,9 +48,10 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process
-    if in_process is None:
-        in_process = device_type is DeviceType.cpu and own_process
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if in_process is None and device_type is DeviceType.cpu and own_process:
+        in_process = True
+    if in_process is not None:  # otherwise vLLM's default (or the environment's VLLM_ENABLE_V1_MULTIPROCESSING)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         if cpu_cores:

@@ -333,8 +333,11 @@ class WeightUpdateExtension:
         padding_only = [n for n, _ in mine.buffers if n in shapes and n not in by_param]
 
         def weights():
-            for pieces in by_param.values():
-                yield next(iter(assemble(pieces, shapes, region).items()))
+            for name, pieces in by_param.items():
+                if len(pieces) == 1 and tuple(pieces[0].box.size) == tuple(shapes[name]):
+                    yield name, region(pieces[0])  # the whole tensor: straight from its staging buffer
+                else:
+                    yield next(iter(assemble(pieces, shapes, region).items()))
             for name in padding_only:
                 yield name, torch.zeros(shapes[name], dtype=getattr(torch, spec.dtype))
 

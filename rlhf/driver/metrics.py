@@ -80,3 +80,14 @@ def expert_load(updates: list[UpdateReply]) -> dict[str, float]:
            for i, row in enumerate(load)}
     out["expert_load/max_over_mean"] = max(out.values())
     return out
+
+
+def progress_fields(m: dict[str, float], accuracy: list[tuple[int, float]]) -> dict[str, object]:
+    """What the progress line shows after a step: reward, the last evaluated held-out accuracy with the step
+    it is from (evaluations are every `eval_every` steps: never a blank `nan` in between), MB synced."""
+    fields: dict[str, object] = {"reward": m["reward/mean"]}
+    if accuracy:
+        step, acc = accuracy[-1]
+        fields["acc"] = f"{acc:.3f}@{step}"
+    fields["sync_MB"] = (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6
+    return fields

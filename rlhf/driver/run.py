@@ -24,7 +24,7 @@ from rlhf.config.load import as_dict
 from rlhf.data.prompts import PromptRow, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.metrics import step_metrics
+from rlhf.driver.metrics import progress_fields, step_metrics
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.model.hf_io import check_model_dir
 from rlhf.parity import Parity
@@ -97,6 +97,7 @@ class Run:
     switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
     last_checkpoint: Optional[Path] = None
     link_bytes_per_s: float = 0.0  # the weight-sync link, measured at start (the floor's bandwidth)
+    ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
@@ -118,6 +119,7 @@ class Run:
             with run.phase("start roles", 0):
                 run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
             run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
+            run.ray_nodes = run.roles.ray_nodes()
             if inputs.resume_dir is not None:
                 run._resume(inputs.resume_dir)
         except BaseException:  # an actor that failed to start: stop what did start, and Ray if we started it
@@ -241,8 +243,7 @@ class Run:
                                                "parity/mean_abs_diff", "time/step", "time/sync", "time/sync_transfer",
                                                "time/sync_install", "sync/bytes_received", "sync/bytes_shm")}
                             | {"step": step})
-        self.progress.update(step, {"reward": m["reward/mean"], "acc": acc if acc is not None else float("nan"),
-                                    "sync_MB": (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6})
+        self.progress.update(step, progress_fields(m, self.accuracy))
 
     def finish(self, acc_start: float) -> dict:
         cfg = self.cfg
@@ -276,6 +277,7 @@ class Run:
             "sync_transfer_seconds_mean": _mean(h["time/sync_transfer"] for h in self.history),
             "sync_install_seconds_mean": _mean(h["time/sync_install"] for h in self.history),
             "sync_link_gb_per_s": round(self.link_bytes_per_s / 1e9, 3),
+            "ray_nodes": self.ray_nodes,
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,

@@ -111,11 +111,18 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     devices_of_rank = sync.devices
     same_device = sum(sum(t.numel for t in ts) for (s, d), ts in plan.pairs
                       if not ts[0].local and devices_of_rank[s] == devices_of_rank[d]) * plan.dtype_bytes
+    nodes = sync.topology.nodes
+    crossing = [((s, d), sum(t.numel for t in ts) * plan.dtype_bytes) for (s, d), ts in plan.pairs
+                if nodes[s] != nodes[d]]
+    cross_node = sum(b for _, b in crossing)
     lines += [f"weight sync plan (one transfer group: trainer ranks {_span(0, W)} -> engine ranks "
               f"{_span(W, W + il.world_size)}):",
               f"  bytes: {_bytes(plan.bytes_minimal)} written ({plan.dtype_bytes} B per element), "
               f"{_bytes(plan.bytes_network)} sent between processes, of which {_bytes(same_device)} between "
               f"processes on the same device (co-located roles)",
+              f"  between nodes: {_bytes(cross_node)} over {len(crossing)} rank pairs"
+              + (": " + ", ".join(f"{s}->{d} (node {nodes[s]}->{nodes[d]}) {_bytes(b)}" for (s, d), b in crossing[:6])
+                 + (f" and {len(crossing) - 6} more" if len(crossing) > 6 else "") if crossing else ""),
               f"  busiest rank: sends {_bytes(summary['max_send_bytes'])}, receives "
               f"{_bytes(summary['max_recv_bytes'])}; floor {summary['floor_seconds']:.3g} s at "
               f"{p.fabric_gbytes_per_s:g} GB/s per link",
@@ -128,7 +135,7 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
               "roles": {role: dm.ranks_of(role) for role in dm.role_names},
               "memory_max_bytes": max(totals), "memory_max_peak_bytes": max(peaks),
               "bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
-              "bytes_same_device": same_device, "floor_seconds": summary["floor_seconds"],
+              "bytes_same_device": same_device, "bytes_cross_node": cross_node, "floor_seconds": summary["floor_seconds"],
               "plan_seconds": round(plan_seconds, 3)}
     return lines, result
 

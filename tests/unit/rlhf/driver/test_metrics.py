@@ -10,7 +10,7 @@ from actors.replies import ReceiveReply, SendReply, SyncReplies, UpdateReply, Up
 from actors.vllm_engine import Completion
 from rlhf.batch import TokenBatch
 from rlhf.config import load_model_config
-from rlhf.driver.metrics import expert_load, step_metrics, update_metrics
+from rlhf.driver.metrics import expert_load, progress_fields, step_metrics, update_metrics
 from rlhf.driver.rollout import Rollout
 from rlhf.layout import InferenceLayout, Layout
 from rlhf.model.engine_sharding import engine_shard_spec
@@ -68,3 +68,15 @@ def test_step_metrics_from_replies():
     assert m["throughput/generate_tokens_per_s"] == 2.5
     assert m["offload/bytes"] == 11 and m["onload/bytes"] == 0
     assert m["actor/clip_fraction"] == pytest.approx(0.2) and m["expert_load/max_over_mean"] == 1.0
+
+
+def test_progress_line_shows_the_last_evaluated_accuracy_and_its_step_never_nan():
+    from rlhf.tracking import Progress
+
+    m = {"reward/mean": 0.41, "sync/bytes_received": 3_000_000, "sync/bytes_shm": 130_000}
+    history = [(0, 0.25), (25, 0.3984)]
+    fields = progress_fields(m, history)
+    assert fields == {"reward": 0.41, "acc": "0.398@25", "sync_MB": 3.13}
+    line = Progress(30).render(27, fields, elapsed_s=54.0)  # two steps after the last evaluation
+    assert "acc 0.398@25" in line and "nan" not in line
+    assert "acc" not in progress_fields(m, [])  # nothing evaluated yet: no accuracy shown, not nan

@@ -47,3 +47,16 @@ def test_plan_reports_the_bytes_the_run_moves(overrides):
 def test_topology_size_must_match_the_ranks():
     with pytest.raises(ValueError, match="need 4"):
         SyncLayout(load_model_config(TINY), Layout(tp=2), InferenceLayout(tp=2), Topology.single_node(3))
+
+
+def test_plan_shows_which_transfers_cross_nodes():
+    # disaggregated over two nodes: the trainer (devices 0-1, node 0) sends everything to the engine on node 1
+    cfg = load_run_config(ROOT / "configs" / "tiny_cpu_disaggregated.yaml",
+                          ["placement.nodes=2", "placement.devices_per_node=2"])
+    lines, summary = plan_report(cfg, device_map(cfg))
+    assert summary["bytes_cross_node"] == summary["bytes_network"] > 0
+    crossing = next(line for line in lines if "between nodes" in line)
+    assert "0->2 (node 0->1)" in crossing and "1->2 (node 0->1)" in crossing
+    # one node: nothing crosses
+    _, one = plan_report(load_run_config(ROOT / "configs" / "tiny_cpu_disaggregated.yaml"))
+    assert one["bytes_cross_node"] == 0
