@@ -8,7 +8,8 @@ A run config is a YAML file directly under `configs/`. Each runs in its own proc
 rlhf.cli train CONFIG [steps=N]`, its own embedded Ray), with what it needs built first by our own code:
 the `make-tiny` policy for the tiny configs, the random small policy for `small_cpu.yaml`
 (`benchmarks.e2e_bench.build_policy`). Configs for devices this machine does not have (npu, cuda) are
-listed as skipped, with the command that shows their plan instead.
+listed as skipped, with the command that shows their plan instead. A config's previous outputs (its
+`output_dir`, checkpoints included) are kept as `<output_dir>.<time>` and each run starts afresh.
 
 Per config: held-out accuracy at the start and the end (and its gain in points), steps, seconds for the
 run, seconds per step (the mean of `time/step`), and the trainer/engine logprob parity (largest
@@ -57,6 +58,11 @@ def measure(path: Path, steps: int | None) -> dict:
         return {"skipped": f"placement.device_type {cfg.placement.device_type.value}: this machine has cpu only; "
                            f"`rlhf plan {path.relative_to(REPO)}` shows its layout and sync plan"}
     prepare(cfg)
+    out_dir = Path(cfg.output_dir) if Path(cfg.output_dir).is_absolute() else REPO / cfg.output_dir
+    if out_dir.exists():  # a previous run's outputs (and checkpoints) are kept, and this run starts afresh
+        kept = out_dir.with_name(f"{out_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        out_dir.rename(kept)
+        print(f"configs: the previous outputs of {path.name} are kept in {kept}", file=sys.stderr, flush=True)
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "train", str(path), *overrides], cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -65,9 +71,7 @@ def measure(path: Path, steps: int | None) -> dict:
         tail = proc.stderr.strip().splitlines()[-5:]
         return {"failed": proc.returncode, "stderr_tail": tail, "seconds": round(seconds, 1)}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    steps_file = Path(cfg.output_dir) / "steps.jsonl"
-    if not steps_file.is_absolute():
-        steps_file = REPO / steps_file
+    steps_file = out_dir / "steps.jsonl"
     step_s = [json.loads(line)["time/step"] for line in steps_file.read_text().splitlines()]
     start, end = result["heldout_accuracy_start"], result["heldout_accuracy_end"]
     return {"steps": result["steps_run"], "heldout_accuracy_start": start, "heldout_accuracy_end": end,

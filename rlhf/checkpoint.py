@@ -195,6 +195,21 @@ def complete_steps(root: str | Path) -> list[Path]:
     return [p for _, p in _step_dirs(Path(root)) if is_complete(p)]
 
 
+def fresh_run_problem(root: str | Path, resume: str, saves: bool) -> str | None:
+    """Why a run that does not resume (`checkpoint.resume: never`) and saves checkpoints (`saves`) must not
+    start in `root`: it holds another run's complete checkpoints, which this run's saves would collide
+    with (the same step) or be pruned together with. None when there is nothing in the way."""
+    if resume != "never" or not saves:
+        return None
+    done = complete_steps(root)
+    if not done:
+        return None
+    return (f"checkpoint.dir={root} already holds {len(done)} complete checkpoint(s) of an earlier run (newest "
+            f"{done[-1].name}); this run starts afresh (checkpoint.resume=never) and would save into the same "
+            f"directory. Continue that run with checkpoint.resume=auto, give this one another checkpoint.dir, or "
+            f"move the old checkpoints away")
+
+
 def latest(root: str | Path) -> Path | None:
     """The newest complete step directory under `root`, or None."""
     done = complete_steps(root)

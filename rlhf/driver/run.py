@@ -19,13 +19,15 @@ import torch
 from actors.replies import SyncReplies, UpdateReply
 from actors.roles import Roles, connect
 from rlhf.batch import TokenBatch
-from rlhf.checkpoint import commit, export_hf, prune, resolve_resume, rng_state, set_rng_state, step_dir
+from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, resolve_resume, rng_state, set_rng_state,
+                             step_dir)
 from rlhf.config.load import as_dict
 from rlhf.data.prompts import PromptRow, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.driver.metrics import progress_fields, step_metrics
 from rlhf.driver.rollout import Rollout, heldout_accuracy
+from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
 from rlhf.parity import Parity
 from rlhf.placement import DeviceMap, device_map
@@ -59,7 +61,11 @@ class RunInputs:
         d = cfg.data
         train_rows = load_prompts(d.train_files, d.prompt_key, d.answer_key, d.skip_bad_rows)
         heldout = load_prompts(d.heldout_files, d.prompt_key, d.answer_key, d.skip_bad_rows).rows
-        resume_dir = resolve_resume(Path(cfg.checkpoint.dir), cfg.checkpoint.resume)
+        c = cfg.checkpoint
+        resume_dir = resolve_resume(Path(c.dir), c.resume)
+        problem = fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)
+        if problem:  # found before any actor starts, not at the final save
+            raise ConfigError(problem)
         sync = sync_layout(cfg, dm)  # the function `rlhf plan` uses: the same ranks, plan and bytes
         plan = sync.plan()  # validated before any actor starts
         # Co-located trainer and engine ranks exchange through shared memory (cpu; the CUDA / NPU IPC path of

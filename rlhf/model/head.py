@@ -25,31 +25,40 @@ class _HeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int):
         N = hidden_NH.shape[0]
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
-        ent_N = torch.empty_like(logp_N)
+        ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         for a in range(0, N, chunk):
             z_CV, lse_C = _logits(hidden_NH[a:a + chunk], weight_VH, temperature)
+            lse_N[a:a + chunk] = lse_C
             logp_N[a:a + chunk] = z_CV.gather(1, targets_N[a:a + chunk, None]).squeeze(1) - lse_C
-            ent_N[a:a + chunk] = lse_C - (torch.exp(z_CV - lse_C[:, None]) * z_CV).sum(-1)
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent_N)
+            p_CV = torch.exp(z_CV - lse_C[:, None])
+            ent_N[a:a + chunk] = lse_C - p_CV.mul_(z_CV).sum(-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent_N, lse_N)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
-        hidden_NH, weight_VH, targets_N, ent_N = ctx.saved_tensors
+        hidden_NH, weight_VH, targets_N, ent_N, lse_N = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
             if ctx.needs_input_grad[1] else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
-        g_ent_N = torch.zeros_like(ent_N) if g_ent_N is None else g_ent_N.float()
         for a in range(0, hidden_NH.shape[0], chunk):
             h_CH = hidden_NH[a:a + chunk]
-            z_CV, lse_C = _logits(h_CH, weight_VH, T)
-            p_CV = torch.exp(z_CV - lse_C[:, None])
-            g_lp, g_h = g_logp_N[a:a + chunk, None], g_ent_N[a:a + chunk, None]
-            # dL/dz = g_logp (onehot - p) - g_H p (log p + H), log p = z - lse
-            dz_CV = -(g_lp + g_h * (z_CV - lse_C[:, None] + ent_N[a:a + chunk, None])) * p_CV
+            # log p = z - lse, in place over the recomputed logits (the forward's lse: no second logsumexp)
+            logp_CV = (h_CH @ weight_VH.T).float()
+            if T != 1.0:
+                logp_CV /= T
+            logp_CV -= lse_N[a:a + chunk, None]
+            p_CV = torch.exp(logp_CV)
+            g_lp = g_logp_N[a:a + chunk, None]
+            # dL/dz = g_logp (onehot - p) - g_H p (log p + H); without an entropy gradient only the first term
+            if g_ent_N is None:
+                dz_CV = p_CV.mul_(-g_lp)
+            else:
+                g_h = g_ent_N[a:a + chunk, None].float()
+                dz_CV = logp_CV.add_(ent_N[a:a + chunk, None]).mul_(g_h).add_(g_lp).mul_(p_CV).neg_()
             dz_CV.scatter_add_(1, targets_N[a:a + chunk, None], g_lp)
             if T != 1.0:
                 dz_CV /= T

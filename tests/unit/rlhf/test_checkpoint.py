@@ -193,3 +193,18 @@ def test_export_hf_names_an_uncovered_tensor(tmp_path, full_hf):
     (tmp_path / ckpt.COMPLETE).unlink()
     with pytest.raises(ValueError, match="cannot export .* no COMPLETE marker"):
         ckpt.export_hf(tmp_path, CFG, tmp_path / "hf")
+
+
+def test_a_fresh_run_refuses_a_checkpoint_dir_holding_another_runs_checkpoints(tmp_path):
+    root = tmp_path / "ckpt"
+    assert ckpt.fresh_run_problem(root, "never", saves=True) is None  # nothing there yet
+    done = ckpt.step_dir(root, 350)
+    done.mkdir(parents=True)
+    (done / ckpt.COMPLETE).write_text("")
+    problem = ckpt.fresh_run_problem(root, "never", saves=True)
+    assert "already holds 1 complete checkpoint" in problem and "step_000350" in problem
+    assert "checkpoint.resume=auto" in problem and "another checkpoint.dir" in problem
+    assert ckpt.fresh_run_problem(root, "auto", saves=True) is None  # resuming it is what the dir is for
+    assert ckpt.fresh_run_problem(root, "never", saves=False) is None  # a run that saves nothing collides with nothing
+    (ckpt.step_dir(root, 5)).mkdir()  # an unfinished save of a crashed run is not in the way
+    assert "1 complete" in ckpt.fresh_run_problem(root, "never", saves=True)
