@@ -161,9 +161,9 @@ class VLLMEngine:
         try:
             received = self.llm.collective_rpc("rlhf_sync" if one_call else "rlhf_receive",
                                                args=(payload, pairs, fault_rank))
-        except Exception:
-            if self.device_type is not DeviceType.cpu or one_call:
-                self.serving = False  # parts may have been written (in place, or installed): never serve a mix
+        except Exception:  # the receive failed (rlhf_sync reports a failed install in its reply, not by raising)
+            if self.device_type is not DeviceType.cpu:
+                self.serving = False  # parts may have been received in place: never serve a mix
             raise
         bad = [r for r in received if not r["ok"]]
         if bad:
@@ -172,23 +172,19 @@ class VLLMEngine:
             raise WeightUpdateRejected(f"weight sync to version {version} rejected on transfer rank {bad[0]['rank']}"
                                        f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
                                        f": {bad[0]['error']}")
+        self.serving = False  # from here on parts may be installed: serve again only once all of them are
         if one_call:
             failed = received[0].get("install_error")
             if failed:
-                self.serving = False
-                log.error("weight sync to version %d failed while installing; the engine refuses to generate until "
-                          "a sync succeeds: %s", version, failed)
+                self._install_failed(version, failed)
                 raise RuntimeError(f"weight sync to version {version} failed while installing: {failed}")
-            install_s = received[0]["install_seconds"]
-            t1 = time.time() - install_s
+            t1 = time.time() - received[0]["install_seconds"]
         else:
             t1 = time.time()
-            self.serving = False
             try:
                 self.llm.collective_rpc("rlhf_install")
             except Exception as e:
-                log.error("weight sync to version %d failed while installing; the engine refuses to generate until "
-                          "a sync succeeds: %s", version, (str(e).splitlines() or [type(e).__name__])[0])
+                self._install_failed(version, (str(e).splitlines() or [type(e).__name__])[0])
                 raise
         self.serving, self.weight_version = True, version
         per_rank = tuple(r["bytes_received"] + r["bytes_shm"] for r in received)
@@ -196,6 +192,11 @@ class VLLMEngine:
                             sum(r["bytes_in_place"] for r in received), sum(r["checked_transfers"] for r in received),
                             t1 - t0, time.time() - t1, t0, time.time() - t0,
                             ranks=tuple(r["rank"] for r in received), bytes_per_rank=per_rank)
+
+    @staticmethod
+    def _install_failed(version: int, why: str) -> None:
+        log.error("weight sync to version %d failed while installing; the engine refuses to generate until a sync "
+                  "succeeds: %s", version, why)
 
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.

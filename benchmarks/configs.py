@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.outputs import keep_previous
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,11 +39,10 @@ def run_configs() -> list[Path]:
 def prepare(cfg) -> None:
     """Build what the config's model path needs, with our own code (nothing is downloaded)."""
     model_dir = Path(cfg.model.path)
-    model_dir = model_dir if model_dir.is_absolute() else REPO / model_dir
     if (model_dir / "config.json").is_file():
         return
     if cfg.model.name == "qwen3_moe_tiny":
-        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir)], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir)], check=True)
     else:
         from benchmarks.e2e_bench import build_policy
 
@@ -58,14 +59,11 @@ def measure(path: Path, steps: int | None) -> dict:
         return {"skipped": f"placement.device_type {cfg.placement.device_type.value}: this machine has cpu only; "
                            f"`rlhf plan {path.relative_to(REPO)}` shows its layout and sync plan"}
     prepare(cfg)
-    out_dir = Path(cfg.output_dir) if Path(cfg.output_dir).is_absolute() else REPO / cfg.output_dir
-    if out_dir.exists():  # a previous run's outputs (and checkpoints) are kept, and this run starts afresh
-        kept = out_dir.with_name(f"{out_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        out_dir.rename(kept)
-        print(f"configs: the previous outputs of {path.name} are kept in {kept}", file=sys.stderr, flush=True)
+    out_dir = Path(cfg.output_dir)
+    keep_previous(out_dir)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "train", str(path), *overrides], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "train", str(path), *overrides],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seconds = time.time() - t0
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-5:]
@@ -86,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="a config's name (file stem); repeatable")
     parser.add_argument("--steps", type=int, default=None, help="override every config's steps")
     args = parser.parse_args(argv)
+    os.chdir(REPO)  # the configs' relative paths (model, data, outputs) are the repository's
     paths = [p for p in run_configs() if not args.only or p.stem in args.only]
     unknown = set(args.only) - {p.stem for p in run_configs()}
     if unknown:

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.outputs import keep_previous
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -103,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.steps
     cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
     build_policy(cfg)
+    keep_previous(cfg.output_dir)  # a fresh run: no earlier steps or checkpoints in its way
     gib = 1 << 30
     with MemorySampler() as mem:
         t0 = time.time()
         result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.time() - t0
     lines = (Path(cfg.output_dir) / "steps.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines][-total:][args.warmup:]  # this run's steps
+    steps = [json.loads(line) for line in lines][args.warmup:]  # this run's steps
     seconds = sum(s["time/step"] for s in steps)
     phases: dict[str, float] = {}
     for s in steps:

@@ -234,18 +234,22 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
         return recvs
 
     received_sums: dict[int, list[tuple[list[Transfer], torch.Tensor]]] = {s: [] for s in (*incoming, *shm_in)}
+
+    def arrived(s: int, bucket: list[Transfer], flat: torch.Tensor) -> None:
+        """What every received bucket goes through, from the group or shared memory, before it is copied in."""
+        if fault_injector is not None:
+            fault_injector(s, flat)
+        if verify:
+            received_sums[s].append((bucket, bucket_checksum(flat)))
+        if check_finite and stats.nonfinite is None and not bool(torch.isfinite(flat).all()):
+            stats.nonfinite = _nonfinite_param(bucket, flat)
     with transport:
         inflight = post(0) if rounds else {}
         for r in range(rounds):
             nxt = post(r + 1) if r + 1 < rounds else {}
             for s, (work, buf, bucket, in_place) in inflight.items():
                 work.wait()
-                if fault_injector is not None:
-                    fault_injector(s, buf)
-                if verify:
-                    received_sums[s].append((bucket, bucket_checksum(buf)))
-                if check_finite and stats.nonfinite is None and not bool(torch.isfinite(buf).all()):
-                    stats.nonfinite = _nonfinite_param(bucket, buf)
+                arrived(s, bucket, buf)
                 if in_place:
                     stats.bytes_in_place += buf.numel() * elem
                 else:
@@ -255,12 +259,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 if r < len(buckets):
                     n = sum(t.numel for t in buckets[r])
                     flat = transport.wait(s, r, n * elem, dtype)
-                    if fault_injector is not None:
-                        fault_injector(s, flat)
-                    if verify:
-                        received_sums[s].append((buckets[r], bucket_checksum(flat)))
-                    if check_finite and stats.nonfinite is None and not bool(torch.isfinite(flat).all()):
-                        stats.nonfinite = _nonfinite_param(buckets[r], flat)
+                    arrived(s, buckets[r], flat)
                     _copy_in(buckets[r], flat, dst)
                     transport.done(s, r)
                     stats.bytes_shm += n * elem
