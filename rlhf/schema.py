@@ -166,7 +166,7 @@ class RolloutConfig:
     # Where vLLM's engine core (scheduler, model runner of a TP-1 engine) runs: in the engine actor's own
     # process (true), or in a process of its own (false, vLLM's default: scheduling overlaps output
     # processing, which pays on a GPU). None: true for the run's engine actors on cpu, where every core is
-    # busy generating and the extra process and its IPC hop cost more than they overlap (generation 1.9x
+    # busy generating and the extra process and its IPC hop cost more than they overlap (generation 1.4x
     # faster on the main job here, one process less per engine); false on cuda / npu and for an engine
     # built inside another process (`rlhf eval`, tests).
     engine_core_in_process: Optional[bool] = None
