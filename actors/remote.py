@@ -90,11 +90,15 @@ def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float 
 
 
 def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,
-          placement_group=None, bundle_index: int | None = None, name_prefix: str = "", **kwargs) -> RoleHandle:
-    """Start `cls(*args, **kwargs)` as a Ray actor (in a placement-group bundle when given)."""
+          placement_group=None, bundle_index: int | None = None, name_prefix: str = "", max_concurrency: int = 1,
+          **kwargs) -> RoleHandle:
+    """Start `cls(*args, **kwargs)` as a Ray actor (in a placement-group bundle when given). `max_concurrency`
+    > 1: calls run on that many threads (the class synchronises them itself)."""
     import ray
 
     options: dict = {"num_cpus": num_cpus, "name": f"{name_prefix}{role}-{rank}", "max_restarts": 0}
+    if max_concurrency > 1:
+        options["max_concurrency"] = max_concurrency
     if num_gpus:
         options["num_gpus"] = num_gpus
     if resources:

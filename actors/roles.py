@@ -63,10 +63,13 @@ class Roles:
         reference = [spawn(PolicyWorker, "reference", r, cfg.model, cfg.trainer, dt, r, model_dir,
                            **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
         rpe = dm.ranks_per_engine
+        # partial rollouts: a sync's install runs on a second thread while the generation parks between steps
+        # (a third for an evaluation waiting its turn)
+        partial = cfg.stale_sync.partial_rollout
         engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
-                         **slot("rollout", k * rpe))
+                         interruptible=partial, max_concurrency=3 if partial else 1, **slot("rollout", k * rpe))
                    for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())

@@ -8,8 +8,11 @@ imports vllm lazily, inside `__init__`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -20,6 +23,7 @@ from rlhf.schema import DeviceType, RolloutConfig
 log = logging.getLogger(__name__)
 
 
+_REQUESTS = itertools.count()  # request ids of stepwise generations
 SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
 
 
@@ -35,11 +39,12 @@ class Completion:
     token_ids: tuple[int, ...]
     logp: tuple[float, ...]  # log-probability of each sampled token under the engine's weights
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    weight_version: int  # the weights that produced it
+    weight_version: int  # the weights that produced it (the oldest, where a sync landed mid-generation)
+    token_versions: tuple[int, ...] = ()  # per token, where a sync may land mid-generation (`interruptible`)
 
 
 def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
-                      own_process: bool = False) -> None:
+                      own_process: bool = False, force_in_process: bool = False) -> None:
     # vLLM logs to stdout by default; our commands keep stdout for their results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default
@@ -48,7 +53,7 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process
-    if in_process is None and device_type is DeviceType.cpu and own_process:
+    if (in_process is None and device_type is DeviceType.cpu and own_process) or force_in_process:
         in_process = True
     if in_process is not None:  # otherwise vLLM's default (or the environment's VLLM_ENABLE_V1_MULTIPROCESSING)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -68,11 +73,16 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
-                 own_process: bool = False):
+                 own_process: bool = False, interruptible: bool = False):
         """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
         process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
-        (`rollout.engine_core_in_process`)."""
-        _prepare_platform(device_type, cfg, cpu_cores, own_process)
+        (`rollout.engine_core_in_process`). `interruptible` (StaleSync's partial rollouts; the actor then
+        runs calls on several threads): a weight install arriving during a generation pauses it between
+        two decode steps, installs, and lets it continue on the new weights, every token recording the
+        version that produced it. The engine core then runs in this process, so that no step runs while
+        the generation is paused."""
+        _prepare_platform(device_type, cfg, cpu_cores, own_process or interruptible,
+                          force_in_process=interruptible)
         from vllm import LLM
 
         self.cfg = cfg
@@ -102,6 +112,11 @@ class VLLMEngine:
         self.weight_version = 0
         self.sync_ranks: list[int] = []  # each worker's rank in the weight-sync group, once joined
         self.serving = True  # False after a failed update: refuse to generate until one succeeds
+        self.interruptible = interruptible
+        self._generation = threading.Lock()  # one generation (or logprob pass) at a time
+        self._cv = threading.Condition()  # installs and the generation meet here
+        self._installs_waiting = 0  # installs asking the generation to pause
+        self._generating = self._parked = False  # parked: paused between two decode steps
 
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int,
                        shm_dir: str = "/dev/shm") -> dict:
@@ -145,6 +160,10 @@ class VLLMEngine:
         return next(r for r in replies if r is not None)
 
     def receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False) -> ReceiveReply:
+        with self._installing():  # an interruptible generation in progress pauses between two decode steps
+            return self._receive_weights(sync, version, same_device, inject_fault)
+
+    def _receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False) -> ReceiveReply:
         """Every worker receives its own part of the sync plan (`rlhf.placement.transfer.SyncLayout`),
         checksummed; then, only if every worker's part arrived intact, every worker installs its part
         exactly. A corrupted or non-finite part raises `WeightUpdateRejected` and the engine goes on
@@ -199,6 +218,10 @@ class VLLMEngine:
                   "succeeds: %s", version, why)
 
     def install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
+        with self._installing():
+            return self._install_from_file(path, crc, version, validate)
+
+    def _install_from_file(self, path: str, crc: dict[str, int], version: int, validate: bool = True) -> list:
         """Every worker checks, then installs, the tensors of a shared-memory safetensors file.
 
         Rejected by the checks: raises WeightUpdateRejected, the old weights stay and are served.
@@ -273,9 +296,11 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._check_serving()
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        with self._generating_call():
+            self._check_serving()
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                     use_tqdm=False)
         return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def _check_serving(self) -> None:
@@ -285,6 +310,50 @@ class VLLMEngine:
             raise RuntimeError("engine refuses to generate: its last weight update failed part-way; "
                                "run a successful update first")
 
+    # --- installs meet generations (interruptible engines) ---
+    @contextmanager
+    def _installing(self):
+        """Hold generation still while weights are installed: an interruptible generation in progress parks
+        at its next step boundary; none starts until the install is done."""
+        if not self.interruptible:
+            yield
+            return
+        with self._cv:
+            self._installs_waiting += 1
+            while self._generating and not self._parked:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._installs_waiting -= 1
+                self._cv.notify_all()
+
+    def _step_boundary(self) -> None:
+        """Between two decode steps: park while an install runs."""
+        with self._cv:
+            if not self._installs_waiting:
+                return
+            self._parked = True
+            self._cv.notify_all()
+            while self._installs_waiting:
+                self._cv.wait()
+            self._parked = False
+
+    @contextmanager
+    def _generating_call(self):
+        with self._generation:
+            with self._cv:
+                while self._installs_waiting:  # an install asked first: it goes first
+                    self._cv.wait()
+                self._generating = True
+            try:
+                yield
+            finally:
+                with self._cv:
+                    self._generating = False
+                    self._cv.notify_all()
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -293,25 +362,70 @@ class VLLMEngine:
         top_p: float | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
+        ignore_eos: bool = False,
     ) -> list[Completion]:
-        """`n` completions per prompt (prompt token ids, BOS included); greedy when temperature is 0."""
+        """`n` completions per prompt (prompt token ids, BOS included); greedy when temperature is 0;
+        `ignore_eos`: every completion runs to max_tokens (benchmarks, tests)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        self._check_serving()
-        params = SamplingParams(
-            n=n,
-            temperature=self.cfg.temperature if temperature is None else temperature,
-            top_p=self.cfg.top_p if top_p is None else top_p,
-            max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
-            stop=list(self.cfg.stop) or None,
-            seed=seed,
-            logprobs=0,  # the sampled token's own logprob
-        )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        with self._generating_call():
+            self._check_serving()
+            params = SamplingParams(
+                n=n,
+                temperature=self.cfg.temperature if temperature is None else temperature,
+                top_p=self.cfg.top_p if top_p is None else top_p,
+                max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
+                stop=list(self.cfg.stop) or None,
+                seed=seed,
+                logprobs=0,  # the sampled token's own logprob
+                ignore_eos=ignore_eos,
+            )
+            if self.interruptible:
+                return self._generate_stepwise(prompts, params)
+            from vllm.inputs import TokensPrompt
+
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+            result = []
+            for i, req in enumerate(outs):
+                for c in req.outputs:
+                    logp = tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
+                    result.append(Completion(i, tuple(c.token_ids), logp, c.finish_reason or "length", self.weight_version))
+            return result
+
+    def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params) -> list[Completion]:
+        """The engine stepped here, one decode step at a time, parking between steps while an install runs:
+        the tokens of each step are recorded with the version the step ran on (each step runs on one
+        version). The KV cache of tokens made before an install stays as the old weights computed it, as in
+        other partial-rollout systems; the behaviour logprobs are the ones really sampled from."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        engine, tag = self.llm.llm_engine, next(_REQUESTS)
+        ids = [f"rlhf-{tag}-{i}" for i in range(len(prompts))]
+        seqs: dict[tuple[str, int], list] = {}  # (request, sample) -> [tokens, logprobs, versions, finish]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
+        try:
+            while engine.has_unfinished_requests():
+                self._step_boundary()
+                self._check_serving()  # an install that failed part-way: never continue on a mix
+                for out in engine.step():
+                    for c in out.outputs:
+                        seq = seqs.setdefault((out.request_id, c.index), [[], [], [], None])
+                        seq[0] += c.token_ids
+                        seq[1] += [step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)]
+                        seq[2] += [self.weight_version] * len(c.token_ids)
+                        seq[3] = c.finish_reason or seq[3]
+        except BaseException:
+            engine.abort_request(ids)
+            raise
         result = []
-        for i, req in enumerate(outs):
-            for c in req.outputs:
-                logp = tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
-                result.append(Completion(i, tuple(c.token_ids), logp, c.finish_reason or "length", self.weight_version))
+        for i, rid in enumerate(ids):
+            for k in itertools.count():
+                if (rid, k) not in seqs:
+                    break
+                tokens, logp, versions, finish = seqs[(rid, k)]
+                result.append(Completion(i, tuple(tokens), tuple(logp), finish or "length",
+                                         min(versions, default=self.weight_version), tuple(versions)))
         return result

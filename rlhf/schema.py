@@ -292,6 +292,22 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class StaleSyncConfig:
+    """StaleSync: engines generate the next batches while the trainer updates (docs/stale_sync.md)."""
+
+    # How many versions older than the trainer's a consumed sample's weights may be: a sample made by
+    # weights version w is trained on at step t only if t - 1 - w <= max_staleness. 0 is the synchronous
+    # loop (generate, then train, then sync), unchanged results for a seed.
+    max_staleness: int = 0
+    # DistQueue actors the finished groups are spread over (round robin); one is plenty on one machine.
+    queue_shards: int = 1
+    # A sync arriving while an engine generates pauses the generation between two decode steps, installs,
+    # and the unfinished sequences continue on the new weights (each token records its version). Without
+    # it the sync waits for the engine's generation in progress to finish on the version it started with.
+    partial_rollout: bool = False
+
+
+@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     steps: int = 10
@@ -306,3 +322,4 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stale_sync: StaleSyncConfig = field(default_factory=StaleSyncConfig)

@@ -14,8 +14,8 @@ from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
                          RewardKind, RunConfig)
 
-__all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "validate_model",
-           "validate_run"]
+__all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
+           "validate_model", "validate_run"]
 
 
 def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
@@ -141,6 +141,36 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.placement.nodes <= 0 or cfg.placement.devices_per_node <= 0:
         p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
     p += reward_problems(cfg.reward)
+    p += stale_sync_problems(cfg)
+    return p
+
+
+def stale_sync_problems(cfg: RunConfig) -> list[Problem]:
+    """StaleSync trains on samples of older weights: the loss must weight them by the policy that sampled
+    them (truncated importance weights to the engine's logprobs), which GSPO's sequence ratio does not do.
+    Whether the placement lets generation and training run at once is checked with the device map
+    (`rlhf.driver.run.RunInputs`)."""
+    s, a = cfg.stale_sync, cfg.algorithm
+    p = []
+    if s.max_staleness < 0:
+        p.append(Problem("stale_sync.max_staleness", s.max_staleness, "must be >= 0 (0: the synchronous loop)"))
+    if s.queue_shards < 1:
+        p.append(Problem("stale_sync.queue_shards", s.queue_shards, "must be >= 1"))
+    if s.partial_rollout and s.max_staleness == 0:
+        p.append(Problem("stale_sync.partial_rollout", True, "only applies with stale_sync.max_staleness > 0 (at 0 no "
+                         "sync arrives during a generation); set max_staleness, or drop partial_rollout"))
+    if s.partial_rollout and cfg.rollout.engine_core_in_process is False:
+        p.append(Problem("rollout.engine_core_in_process", False, "stale_sync.partial_rollout steps the engine core "
+                         "from the engine actor, so it must run there: leave it unset (or true)"))
+    if s.max_staleness > 0:
+        if a.estimator is Estimator.gspo:
+            p.append(Problem("algorithm.estimator", "gspo", "stale_sync.max_staleness > 0 needs a token-level "
+                             "importance weight to the sampling policy, which GSPO's sequence ratio lacks; use grpo, "
+                             "dapo or reinforce_pp, or set stale_sync.max_staleness=0"))
+        elif a.tis_cap <= 0:
+            p.append(Problem("algorithm.tis_cap", a.tis_cap, "stale_sync.max_staleness > 0 trains on samples of "
+                             "older weights: set a cap (2.0 is usual) so each token is weighted by min(pi_proximal / "
+                             "pi_behaviour, cap), the decoupled PPO objective, or set stale_sync.max_staleness=0"))
     return p
 
 

@@ -98,6 +98,8 @@ class Run:
     progress: Optional[Progress] = None
     history: list[dict] = field(default_factory=list)  # a few metrics per step, for the result
     accuracy: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out accuracy)
+    accuracy_seconds: list[float] = field(default_factory=list)  # when each was measured, from the run's start
+    eval_seconds: dict[int, float] = field(default_factory=dict)  # how long the evaluation after each step took
     parity_violations: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # this step's driver phases
     switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
@@ -107,6 +109,9 @@ class Run:
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
+    train_seconds: float = 0.0  # step time less evaluation: what throughput is measured over
+    samples_dropped: int = 0  # StaleSync: samples too old to train on
+    extra_state: Optional[Callable[[], dict]] = None  # more driver state for checkpoints (StaleSync's queue)
     t0: float = field(default_factory=time.time)
 
     @staticmethod
@@ -193,9 +198,12 @@ class Run:
                 self.tracker.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep.start, rep.seconds, step)
 
     def evaluate(self, step: int) -> float:
+        t0 = time.time()
         with self.phase("evaluate", step):
             acc = heldout_accuracy(self.cfg, self.roles, self.inputs.tokenizer, self.inputs.heldout)
+        self.eval_seconds[step] = time.time() - t0
         self.accuracy.append((step, acc))
+        self.accuracy_seconds.append(round(time.time() - self.t0, 1))
         self.log(f"step {step}: held-out greedy accuracy {acc:.3f} ({len(self.inputs.heldout)} prompts)")
         return acc
 
@@ -207,7 +215,8 @@ class Run:
         d = step_dir(Path(c.dir), step)
         with self.phase("checkpoint", step):
             self.roles.all(self.roles.trainer, "save", str(d))
-            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state()})
+            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state()}
+                   | (self.extra_state() if self.extra_state else {}))
             prune(Path(c.dir), c.keep_last)
         self.last_checkpoint = d
         return d
@@ -225,7 +234,8 @@ class Run:
 
     # --- metrics ---
     def record(self, step: int, ro: Rollout, batch: TokenBatch, entropy: torch.Tensor, parity: Parity,
-               updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float) -> None:
+               updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float,
+               extra: dict | None = None) -> None:
         cfg = self.cfg
         self.step = step
         if parity.max_abs_diff > cfg.rollout.parity_max_abs:
@@ -237,8 +247,10 @@ class Run:
         m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
         self.sync_seconds += self.phase_seconds.get("weight sync", m["time/sync"])  # what the loop waited
         self.step_seconds += seconds
+        self.train_seconds += seconds - self.eval_seconds.get(step, 0.0)
         self.last_sync = sync
         m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
+        m.update(extra or {})
         self.phase_seconds = {}
         if acc is not None:
             m["accuracy/heldout"] = acc
@@ -247,8 +259,9 @@ class Run:
             f.write(json.dumps({"step": step} | m) + "\n")
         self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
                                                "parity/mean_abs_diff", "time/step", "time/sync", "time/sync_transfer",
-                                               "time/sync_install", "sync/bytes_received", "sync/bytes_shm")}
-                            | {"step": step})
+                                               "time/sync_install", "sync/bytes_received", "sync/bytes_shm",
+                                               "rollout/generated_tokens")}
+                            | {"step": step, "samples": len(batch), "staleness_max": m.get("stale/staleness_max", 0)})
         self.progress.update(step, progress_fields(m, self.accuracy))
 
     def finish(self, acc_start: float) -> dict:
@@ -270,6 +283,7 @@ class Run:
             "steps": cfg.steps, "steps_run": len(self.history),
             "heldout_accuracy_start": acc_start, "heldout_accuracy_end": self.accuracy[-1][1],
             "heldout_accuracy_history": self.accuracy,
+            "heldout_accuracy_seconds": self.accuracy_seconds,
             "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
             "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
             "parity_max_abs_diff": max((h["parity/max_abs_diff"] for h in self.history), default=None),
@@ -284,6 +298,12 @@ class Run:
             "sync_install_seconds_mean": _mean(h["time/sync_install"] for h in self.history),
             "sync_link_gb_per_s": round(self.link_bytes_per_s / 1e9, 3),
             "ray_nodes": self.ray_nodes,
+            # throughput over the steps' time, start-up and evaluation excluded
+            "tokens_per_second": _ratio(sum(h["rollout/generated_tokens"] for h in self.history), self.train_seconds),
+            "samples_per_second": _ratio(sum(h["samples"] for h in self.history), self.train_seconds),
+            "seconds_per_step": _ratio(self.train_seconds, len(self.history)),
+            "staleness_max": max((h["staleness_max"] for h in self.history), default=None),
+            "samples_dropped": self.samples_dropped,
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -313,6 +333,10 @@ class Run:
 
             ray.shutdown()
             self.ray_owned = False
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
 
 
 def _mean(values) -> float | None:

@@ -231,6 +231,14 @@ def _build(cfg: RunConfig) -> tuple[DeviceMap | None, list[Problem]]:
             devices = _default(need.role, need.ranks, chosen, p.colocate)
         chosen[need.role] = devices
         problems += _role_problems(cfg, need, devices, text, default, per_engine)
+    shared = sorted(set(chosen.get("trainer", ())) & set(chosen.get("rollout", ())))
+    if cfg.stale_sync.max_staleness > 0 and shared:
+        problems.append(Problem(
+            "stale_sync.max_staleness", cfg.stale_sync.max_staleness,
+            f"needs the engines and the trainer on separate devices (both use device(s) {abbreviate(shared)}: "
+            "co-located roles take turns, so generation could not run during the update); use "
+            "placement/cpu_disaggregated.yaml or give placement.rollout.devices and placement.trainer.devices no "
+            "device in common, or set stale_sync.max_staleness=0"))
     if problems:
         return None, problems
     roles = tuple((n.role, chosen[n.role]) for n in needs if n.role in chosen)

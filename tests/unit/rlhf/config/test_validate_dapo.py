@@ -30,3 +30,15 @@ def test_dapo_with_its_parts_loads(tmp_path):
 
 def test_grpo_takes_the_same_options_one_by_one(tmp_path):
     assert _load(tmp_path, "algorithm.clip_eps_high=0.28").algorithm.estimator is Estimator.grpo
+
+
+def test_stale_sync_needs_a_behaviour_weight_and_separate_devices(tmp_path):
+    with pytest.raises(ConfigError, match=r"algorithm.tis_cap = 0.0: stale_sync.max_staleness > 0 trains on samples"):
+        _load(tmp_path, "stale_sync.max_staleness=1")
+    with pytest.raises(ConfigError, match="token-level importance weight"):
+        _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.estimator=gspo")
+    with pytest.raises(ConfigError, match=r"stale_sync.max_staleness = 1: needs the engines and the trainer on "
+                                          r"separate devices \(both use device\(s\) 0"):
+        _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2")  # the default placement co-locates
+    cfg = _load(tmp_path, "stale_sync.max_staleness=2", "algorithm.tis_cap=2", "placement.colocate=false")
+    assert cfg.stale_sync.max_staleness == 2

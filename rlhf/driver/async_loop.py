@@ -1,0 +1,258 @@
+"""StaleSync (`stale_sync.max_staleness` > 0): the engines generate the next batches while the trainer
+trains on this one, within the staleness bound, over DistQueue.
+
+    producer thread   batch b: wait until the engines serve version b - 1 - max_staleness (the bound and
+                      the back-pressure: `rlhf.algorithms.staleness.may_start`), draw prompts, generate,
+                      score, dynamic sampling (`rollout.collect`, seeds keyed by b as in the synchronous
+                      loop), push the batch's groups to the queue, each with the weight version that made it
+    trainer (here)    step t: take the t-th batch's groups from the queue (oldest first, never one beyond the
+                      bound: older ones are dropped and counted), then `step.learn` as the synchronous loop
+                      does: old logprobs, update, weight sync
+
+The producer and the sync meet at the engine actors, which run one call at a time: a sync issued while an
+engine generates waits for that generation to finish (its requests finish on the version they started
+with), then installs; the engine's next generation runs on the new version and says so in every sample
+(`Completion.weight_version`). No engine serves a half-installed version (the sync is exact and checksummed
+as in the synchronous loop).
+
+The loss weights every token by min(pi_proximal / pi_behaviour, algorithm.tis_cap) (decoupled PPO, Hilton et
+al. 2022; `rlhf.algorithms.objective`): pi_proximal is the trainer's policy at the start of the update,
+pi_behaviour the engine's logprobs of the weights that sampled. Trainer/engine parity is checked on the
+samples of the weights the step starts from (there the two must agree), the staleness distribution and the
+importance weights' spread are logged every step (`stale/*`). A checkpoint pauses the producer between
+batches and saves the queue beside the data cursor: a resumed run trains on every made group once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from actors.dist_queue import DistQueue
+from actors.vllm_engine import Completion
+from rlhf.algorithms.staleness import importance_stats, may_start, staleness_stats
+from rlhf.checkpoint import load_driver_state
+from rlhf.data.prompts import PromptRow
+from rlhf.data.versioned_queue import QueuedGroup
+from rlhf.driver.rollout import Rollout, collect
+from rlhf.driver.run import Run
+from rlhf.driver.step import learn
+from rlhf.parity import logprob_parity
+from rlhf.schema import RunConfig
+
+WAIT_POLL_S = 5.0  # how often a waiting thread re-checks that its peer is alive
+
+
+class ProducerError(RuntimeError):
+    """The rollout producer failed; the cause names the role and rank that did (a RoleError)."""
+
+
+class Producer:
+    """Makes batches on a thread of its own, ahead of the trainer within the bound."""
+
+    def __init__(self, run: Run, queue: DistQueue, next_batch: int, next_seq: int):
+        self.run, self.queue = run, queue
+        self.cond = threading.Condition()
+        self.served = run.step  # the version every engine serves
+        self.next_batch, self.next_seq = next_batch, next_seq
+        self.last_batch = run.cfg.steps  # raised by one for each batch's worth of groups dropped
+        self.groups_made = 0
+        self.paused = self.busy = self.stopping = False
+        self.error: BaseException | None = None
+        self.wait_seconds = 0.0  # held back by the bound, since the trainer last read it
+        self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    def start(self) -> "Producer":
+        self.thread.start()
+        return self
+
+    def _blocked(self) -> bool:
+        s = self.run.cfg.stale_sync.max_staleness
+        return self.paused or self.next_batch > self.last_batch or not may_start(self.next_batch, self.served, s)
+
+    def _run(self) -> None:
+        run, cfg = self.run, self.run.cfg
+        try:
+            while True:
+                with self.cond:
+                    t0 = time.time()
+                    while not self.stopping and self._blocked():
+                        self.cond.wait()
+                    self.wait_seconds += time.time() - t0
+                    if self.stopping:
+                        return
+                    b, self.busy = self.next_batch, True
+                t0 = time.time()
+                ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b)
+                run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
+                groups = to_groups(ro, b, self.next_seq)
+                self.queue.put(groups)
+                with self.cond:
+                    self.next_batch, self.next_seq = b + 1, self.next_seq + len(groups)
+                    self.groups_made += len(groups)
+                    self.busy = False
+                    self.cond.notify_all()
+        except BaseException as e:  # reported to the trainer's thread, which raises it
+            with self.cond:
+                self.error, self.busy = e, False
+                self.cond.notify_all()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise ProducerError(f"the rollout producer failed: {self.error}") from self.error
+
+    def wait(self, until: Callable[[], bool]) -> None:
+        """Block until `until()` (read under the lock) or the producer fails."""
+        with self.cond:
+            while not until():
+                self.check()
+                if not self.thread.is_alive() and not until():
+                    raise ProducerError("the rollout producer stopped with the batch still short")
+                self.cond.wait(WAIT_POLL_S)
+            self.check()
+
+    def serve(self, version: int) -> None:
+        """The engines serve `version` now: batches waiting for it may start."""
+        with self.cond:
+            self.served = version
+            self.cond.notify_all()
+
+    def take_wait_seconds(self) -> float:
+        with self.cond:
+            w, self.wait_seconds = self.wait_seconds, 0.0
+            return w
+
+    @contextmanager
+    def paused_between_batches(self):
+        """The producer idle (its batch in flight finished and queued) for as long as the block runs."""
+        with self.cond:
+            self.paused = True
+            while self.busy and self.error is None:
+                self.cond.wait(WAIT_POLL_S)
+            self.check()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.paused = False
+                self.cond.notify_all()
+
+    def stop(self, timeout_s: float) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join(timeout_s)
+
+
+def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
+    """A batch's groups as queue entries (JSON-able payloads). The batch's own statistics ride on its first
+    group, so they are counted once, at the step that trains on that group."""
+    G = len(ro.completions) // len(ro.rows)
+    stats = {"drawn": ro.groups_drawn, "generate_seconds": ro.generate_seconds,
+             "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens}
+    out = []
+    for i, row in enumerate(ro.rows):
+        comps = ro.completions[i * G:(i + 1) * G]
+        payload = {"row": [row.prompt, row.answer, row.source], "prompt_ids": list(ro.prompt_ids[i]),
+                   "completions": [[list(c.token_ids), list(c.logp), c.finish_reason, c.weight_version,
+                                    list(c.token_versions)] for c in comps],
+                   "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
+                   "batch_stats": stats if i == 0 else None}
+        out.append(QueuedGroup(first_seq + i, batch, min(c.weight_version for c in comps), payload))
+    return out
+
+
+def to_rollout(groups: list[QueuedGroup]) -> Rollout:
+    """A step's rollouts from the groups it took."""
+    rows, prompt_ids, comps = [], [], []
+    drawn = gen_s = rew_s = tokens = 0
+    for p, g in enumerate(groups):
+        d = g.payload
+        rows.append(PromptRow(*d["row"]))
+        prompt_ids.append(d["prompt_ids"])
+        comps += [Completion(p, tuple(ids), tuple(logp), reason, version, tuple(versions))
+                  for ids, logp, reason, version, versions in d["completions"]]
+        if d["batch_stats"]:
+            s = d["batch_stats"]
+            drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
+            rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
+    return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
+                   torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens)
+
+
+def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:
+    """Step `step`'s groups, oldest first, waiting for the producer while the queue holds too few."""
+    P, s = run.cfg.data.prompts_per_step, run.cfg.stale_sync.max_staleness
+    have: list[QueuedGroup] = []
+    while True:
+        with producer.cond:
+            made = producer.groups_made
+        got, dropped = queue.take(P - len(have), step, s)
+        have += got
+        if dropped:  # groups too old to train on: one more batch's worth made for each batch dropped
+            run.samples_dropped += dropped * run.cfg.algorithm.group_size
+            with producer.cond:
+                producer.last_batch += -(-dropped // P)
+                producer.cond.notify_all()
+            run.log(f"step {step}: dropped {dropped} group(s) older than stale_sync.max_staleness={s}")
+        if len(have) == P:
+            return have
+        producer.wait(lambda: producer.groups_made > made)
+
+
+def train_async(cfg: RunConfig, log) -> dict:
+    run = Run.start(cfg, log)
+    queue = producer = None
+    try:
+        queue = DistQueue(cfg.stale_sync.queue_shards, timeout_s=run.roles.timeout_s)
+        next_batch, next_seq = run.step + 1, 0
+        if run.inputs.resume_dir is not None:
+            state = load_driver_state(run.inputs.resume_dir).get("stale_sync")
+            if state:  # a StaleSync checkpoint: the groups made ahead of it are trained on, not made again
+                queue.load(state["queue"])
+                next_batch, next_seq = state["next_batch"], state["next_seq"]
+                run.samples_dropped = state.get("samples_dropped", 0)
+                log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
+        producer = Producer(run, queue, next_batch, next_seq)
+        run.extra_state = lambda: {"stale_sync": {"queue": queue.state(), "next_batch": producer.next_batch,
+                                                  "next_seq": producer.next_seq,
+                                                  "samples_dropped": run.samples_dropped}}
+        acc_start = run.evaluate(run.step)
+        producer.start()
+        for step in range(run.step + 1, cfg.steps + 1):
+            t_step = time.time()
+            with run.phase("wait for rollouts", step):
+                groups = take_batch(run, queue, producer, step)
+            ro = to_rollout(groups)
+            learned = learn(run, ro, step, switch=False)
+            producer.serve(step)
+            acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                with producer.paused_between_batches():
+                    run.checkpoint(step)
+            batch = learned.batch
+            versions = [c.weight_version for c in ro.completions]
+            fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
+            parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT, batch.mask_BT * fresh.to(batch.mask_BT.dtype))
+            extra = staleness_stats(step, versions) | importance_stats(
+                learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, cfg.algorithm.tis_cap)
+            extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
+                      "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
+                      "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
+                      "stale/producer_wait_seconds": producer.take_wait_seconds()}
+            run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
+                       time.time() - t_step, extra)
+        producer.stop(run.roles.timeout_s)
+        return run.finish(acc_start)
+    except BaseException:
+        if producer is not None:
+            producer.stop(0)
+        run.close(failed=True)
+        raise
+    finally:
+        if queue is not None:
+            queue.close()

@@ -1,0 +1,64 @@
+"""The part of a step both loops share (`loop` and `async_loop`): from a step's rollouts to the weights the
+engines serve next. Each line is one phase:
+
+    old logprobs (trainer, unless the update's own forward gives them) -> reference logprobs
+    -> advantages -> policy update (mini-batches x epochs) -> weight sync (checksum verified)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.replies import SyncReplies
+from actors.roles import batch_logprobs
+from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
+from rlhf.batch import TokenBatch
+from rlhf.driver.rollout import Rollout
+from rlhf.driver.run import Run
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What one step's training made of its rollouts."""
+
+    batch: TokenBatch
+    old_logp: torch.Tensor  # the trainer's logprobs at the start of the update [B, T-1]
+    entropy: torch.Tensor
+    updates: list
+    sync: SyncReplies
+
+
+def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
+    """A step from its rollouts on: old and reference logprobs, advantages, the update and the weight sync
+    (the engines serve version `step` when it returns). `switch`: co-located roles change turns around it."""
+    cfg, roles = run.cfg, run.roles
+    batch = run.token_batch(ro)
+    mini_batches = run.mini_batches(len(batch), step)
+    if switch:
+        with run.phase("switch to training", step):
+            run.switch("sleep", "onload")
+    old_logp = entropy = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
+    if not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches)):
+        with run.phase("old logprobs", step):
+            old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch))
+        run.trace_ranks("old logprobs", roles.trainer, replies, step)
+    ref_logp = run.reference_logprobs(batch, step)
+    rewards_PG = ro.rewards_PG
+    if cfg.algorithm.kl_in_reward and ref_logp is not None:
+        rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)
+    batch = batch.with_(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp,
+                        ref_logp_BT=ref_logp)
+    with run.phase("update", step):
+        updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches)
+    run.trace_ranks("update", roles.trainer, updates, step)
+    if old_logp is None:
+        old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
+    with run.phase("weight sync", step):
+        sync = roles.sync_weights(run.inputs.sync, step, run.inputs.same_device)
+    run.trace_ranks("weight sync", roles.trainer + roles.engines, sync.sends + sync.receives, step)
+    if switch:
+        with run.phase("switch to rollout", step):
+            run.switch("wake_up", "offload")
+    return Learned(batch, old_logp, entropy, updates, sync)
