@@ -86,6 +86,10 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
              f"= {dm.num_devices} ({fabric}); Ray bundle per device: {bundle}",
              f"roles (defaults for unlisted roles: colocate = {str(p.colocate).lower()}):"]
     lines += [_role_line(cfg, dm, lay, il, role) for role in dm.role_names]
+    st = cfg.stale_sync
+    lines.append("loop: synchronous (generate, then train, then sync)" if not st.max_staleness else
+                 f"loop: StaleSync, the engines generate ahead of the trainer, samples at most {st.max_staleness} "
+                 f"version(s) stale, partial rollouts {'on' if st.partial_rollout else 'off'} (docs/stale_sync.md)")
 
     used = dm.used_devices()
     label = lambda d: " | ".join(_label(cfg, lay, il, role, rank) for role, rank in dm.residents(d))  # noqa: E731

@@ -276,3 +276,15 @@ def test_cli_plan_cm384_is_condensed(capsys):
     assert len(err.splitlines()) < 60 and "trainer + rollout: 384 devices 0-383" in err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["devices"] == 384 and result["roles"]["trainer"] == 384 and result["roles"]["rollout"] == 384
+
+
+@pytest.mark.slow
+def test_cli_plan_cm384_async_has_separate_pools(capsys):
+    """The 718B StaleSync variant: accepted, trainer and engines on disjoint NPUs, every synced byte between them."""
+    assert main(["plan", str(ROOT / "configs/cm384_pangu718b_async.yaml")]) == 0
+    out, err = capsys.readouterr()
+    assert "loop: StaleSync" in err and "at most 1 version(s) stale, partial rollouts on" in err
+    assert "trainer: 256 devices 0-255" in err and "rollout: 128 devices 256-383" in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["roles"] == {"trainer": 256, "rollout": 128, "reward": 1}
+    assert result["bytes_same_device"] == 0 and result["bytes_network"] == result["bytes_minimal"]
