@@ -11,6 +11,8 @@ Legend: B samples, T response tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -51,7 +53,7 @@ def importance_stats(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, m
     if w.numel() == 0:
         return {}
     out = {"stale/is_weight_mean": float(w.mean()), "stale/is_weight_max": float(w.max()),
-           "stale/is_weight_p99": float(torch.quantile(w, 0.99)) if w.numel() > 1 else float(w[0])}
+           "stale/is_weight_p99": float(w.kthvalue(max(1, math.ceil(0.99 * w.numel()))).values)}
     if cap > 0:
         out["stale/is_truncated_fraction"] = float((w > cap).double().mean())
     return out

@@ -110,8 +110,10 @@ class Producer:
         with self.cond:
             while not until():
                 self.check()
-                if not self.thread.is_alive() and not until():
-                    raise ProducerError("the rollout producer stopped with the batch still short")
+                done = self.next_batch > self.last_batch and not self.busy  # nothing left to make
+                if (done or not self.thread.is_alive()) and not until():
+                    raise ProducerError(f"the rollout producer made every batch up to {self.last_batch} and the "
+                                        "trainer's batch is still short")
                 self.cond.wait(WAIT_POLL_S)
             self.check()
 

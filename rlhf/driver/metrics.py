@@ -31,7 +31,7 @@ def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parit
         "rollout/generated_tokens": ro.generated_tokens,
         "actor/entropy_old": float((entropy_BT * batch.mask_BT).sum() / batch.mask_BT.sum()),
         "parity/max_abs_diff": parity.max_abs_diff, "parity/mean_abs_diff": parity.mean_abs_diff,
-        "parity/tokens": parity.tokens,
+        "parity/p99_abs_diff": parity.p99_abs_diff, "parity/tokens": parity.tokens,
         "time/generate": ro.generate_seconds, "time/reward": ro.reward_seconds, "time/step": seconds,
         "time/sync": sync_s, "time/sync_transfer": max(r.transfer_seconds for r in receives),
         "time/sync_install": max(r.install_seconds for r in receives),

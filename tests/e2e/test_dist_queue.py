@@ -1,0 +1,35 @@
+"""DistQueue over several shard actors (real Ray actors, no vLLM): the client hands out the oldest groups
+over all shards in the order they were made, puts back what it took beyond the n oldest, drops and counts
+groups beyond the bound, and its saved state restores into a different number of shards unchanged."""
+
+import json
+
+from actors.dist_queue import DistQueue
+from rlhf.data.versioned_queue import QueuedGroup
+
+
+def _g(seq, version):
+    return QueuedGroup(seq, seq // 4 + 1, version, {"seq": seq, "text": f"group {seq}"})
+
+
+def test_oldest_first_over_shards_with_drops_and_restore(ray_session):
+    q = DistQueue(shards=2, name_prefix="dq-test-")
+    try:
+        q.put([_g(s, v) for s, v in [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (5, 2), (6, 3), (7, 3)]])
+        assert q.size() == 8
+        got, dropped = q.take(3, step=3, max_staleness=1)  # step 3 trains on versions 1 and 2
+        assert [g.seq for g in got] == [2, 3, 4] and dropped == 2 and q.dropped == 2
+        assert q.size() == 3  # 5 (version 2) was taken by its shard beyond the 3 oldest and put back; 6, 7 wait
+        state = json.loads(json.dumps(q.state()))
+        assert [g["seq"] for g in state["groups"]] == [5, 6, 7] and state["dropped"] == 2
+        again = DistQueue(shards=3, name_prefix="dq-test-again-")
+        try:
+            again.load(state)
+            assert again.dropped == 2
+            got, dropped = again.take(10, step=4, max_staleness=1)
+            assert [(g.seq, g.payload["text"]) for g in got] == [(5, "group 5"), (6, "group 6"), (7, "group 7")]
+            assert dropped == 0 and again.size() == 0
+        finally:
+            again.close()
+    finally:
+        q.close()
