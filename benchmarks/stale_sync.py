@@ -2,6 +2,7 @@
 
     python -m benchmarks.stale_sync                          # configs/tiny_cpu_disaggregated.yaml, 40 steps
     python -m benchmarks.stale_sync --rounds 2 --staleness 0 1
+    python -m benchmarks.stale_sync --staleness 0 2 --partial   # also staleness 2 with partial rollouts
 
 Each run is `rlhf train CONFIG stale_sync.max_staleness=K eval_every=E` in its own process (own embedded Ray),
 the staleness values interleaved round by round so each sees the same machine. Outputs go under
@@ -31,9 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = Path("out/stale_sync_bench")
 
 
-def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_every: int) -> dict:
+def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_every: int,
+             partial: bool = False) -> dict:
     overrides = [f"stale_sync.max_staleness={staleness}", f"eval_every={eval_every}", f"output_dir={out}",
                  f"tracking.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.export_hf=false"]
+    overrides += ["stale_sync.partial_rollout=true"] if partial else []
     overrides += [f"steps={steps}"] if steps else []
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "train", str(config), *overrides],
@@ -42,7 +45,8 @@ def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_ev
         return {"failed": proc.returncode, "stderr_tail": proc.stderr.strip().splitlines()[-5:]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     t_eval = r["heldout_accuracy_seconds"]
-    return {"staleness": staleness, "seconds": round(time.time() - t0, 1), "steps": r["steps_run"],
+    return {"staleness": staleness, "partial_rollout": partial, "seconds": round(time.time() - t0, 1),
+            "steps": r["steps_run"],
             "tokens_per_second": r["tokens_per_second"], "samples_per_second": r["samples_per_second"],
             "seconds_per_step": r["seconds_per_step"], "staleness_max": r["staleness_max"],
             "samples_dropped": r["samples_dropped"], "sync_share": r["sync_share"],
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="override the config's steps")
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--partial", action="store_true",
+                        help="also run each staleness above 0 with stale_sync.partial_rollout=true")
     args = parser.parse_args(argv)
     if 0 not in args.staleness:
         parser.error("--staleness must include 0: every figure is relative to the synchronous loop")
@@ -100,28 +106,30 @@ def main(argv: list[str] | None = None) -> int:
     config = Path(args.config)
     prepare(load_run_config(config, [f"stale_sync.max_staleness={max(args.staleness)}"]))
     keep_previous(OUT)
-    runs: dict[int, list[dict]] = {k: [] for k in args.staleness}
+    variants = [(str(k), k, False) for k in args.staleness]  # (label, staleness, partial rollouts)
+    variants += [(f"{k}+partial", k, True) for k in args.staleness if k and args.partial]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for i in range(args.rounds):
-        for k in args.staleness:
-            print(f"stale_sync: round {i + 1}, staleness {k} ...", file=sys.stderr, flush=True)
-            r = run_once(config, k, OUT / f"s{k}_r{i + 1}", args.steps, args.eval_every)
+        for label, k, partial in variants:
+            print(f"stale_sync: round {i + 1}, staleness {label} ...", file=sys.stderr, flush=True)
+            r = run_once(config, k, OUT / f"s{label.replace('+', '_')}_r{i + 1}", args.steps, args.eval_every, partial)
             print(f"stale_sync: {json.dumps(r)}", file=sys.stderr, flush=True)
             if "failed" in r:
                 print(json.dumps({"failed": r}))
                 return 1
-            runs[k].append(r)
+            runs[label].append(r)
     tps = {k: statistics.median(r["tokens_per_second"] for r in rs) for k, rs in runs.items()}
     summary = {}
     for k, rs in runs.items():
-        summary[k] = {"tokens_per_second": tps[k], "speedup_over_staleness_0": round(tps[k] / tps[0], 2),
+        summary[k] = {"tokens_per_second": tps[k], "speedup_over_staleness_0": round(tps[k] / tps["0"], 2),
                       "tokens_per_second_runs": [r["tokens_per_second"] for r in rs],
                       "seconds_per_step_runs": [r["seconds_per_step"] for r in rs],
                       "staleness_max": max(r["staleness_max"] for r in rs),
                       "samples_dropped": sum(r["samples_dropped"] for r in rs),
                       "final_accuracy_runs": [r["accuracy"][-1][1] for r in rs]}
-        if k:  # at each of its evaluations: this run's accuracy and the synchronous run's by the same time
+        if k != "0":  # at each of its evaluations: this run's accuracy and the synchronous run's by the same time
             summary[k]["accuracy_vs_sync_at_equal_time"] = [
-                (t, a, accuracy_at(runs[0][i]["accuracy"], t)) for i, r in enumerate(rs) for _, a, t in r["accuracy"]]
+                (t, a, accuracy_at(runs["0"][i]["accuracy"], t)) for i, r in enumerate(rs) for _, a, t in r["accuracy"]]
     svg({f"staleness {k} (round {i + 1})": r["accuracy"] for k, rs in runs.items() for i, r in enumerate(rs)},
         OUT / "accuracy_vs_time.svg")
     print(json.dumps({"config": str(config), "rounds": args.rounds, "summary": summary,
