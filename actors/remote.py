@@ -113,7 +113,9 @@ def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float
 
 
 def node_address() -> tuple[str, int]:
-    """This node's address and a free TCP port on it (rank 0 of a group hosts the group's store there)."""
+    """This node's address and a free TCP port on it (rank 0 of a group hosts the group's store there). The port
+    is probed on every interface, as torch's TCPStore listens: a port free on the node's address alone may be
+    taken on another (seen as EADDRINUSE when the store started)."""
     try:
         import ray
 
@@ -121,5 +123,5 @@ def node_address() -> tuple[str, int]:
     except Exception:
         host = "127.0.0.1"
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("", 0))
         return host, s.getsockname()[1]

@@ -27,6 +27,11 @@ _REQUESTS = itertools.count()  # request ids of stepwise generations
 SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
 
 
+def _sampled_logprobs(c) -> tuple[float, ...]:
+    """The logprob of each sampled token from a vLLM CompletionOutput (asked with logprobs=0)."""
+    return tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
+
+
 class WeightUpdateRejected(ValueError):
     """An update failed its checks before any weight was touched; the engine keeps its old weights."""
 
@@ -81,8 +86,7 @@ class VLLMEngine:
         two decode steps, installs, and lets it continue on the new weights, every token recording the
         version that produced it. The engine core then runs in this process, so that no step runs while
         the generation is paused."""
-        _prepare_platform(device_type, cfg, cpu_cores, own_process or interruptible,
-                          force_in_process=interruptible)
+        _prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         from vllm import LLM
 
         self.cfg = cfg
@@ -385,12 +389,8 @@ class VLLMEngine:
             from vllm.inputs import TokensPrompt
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-            result = []
-            for i, req in enumerate(outs):
-                for c in req.outputs:
-                    logp = tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
-                    result.append(Completion(i, tuple(c.token_ids), logp, c.finish_reason or "length", self.weight_version))
-            return result
+            return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
+                               self.weight_version) for i, req in enumerate(outs) for c in req.outputs]
 
     def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs:
@@ -414,18 +414,15 @@ class VLLMEngine:
                     for c in out.outputs:
                         seq = seqs.setdefault((out.request_id, c.index), [[], [], [], None])
                         seq[0] += c.token_ids
-                        seq[1] += [step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)]
+                        seq[1] += _sampled_logprobs(c)
                         seq[2] += [self.weight_version] * len(c.token_ids)
                         seq[3] = c.finish_reason or seq[3]
         except BaseException:
             engine.abort_request(ids)
             raise
-        result = []
-        for i, rid in enumerate(ids):
-            for k in itertools.count():
-                if (rid, k) not in seqs:
-                    break
-                tokens, logp, versions, finish = seqs[(rid, k)]
-                result.append(Completion(i, tuple(tokens), tuple(logp), finish or "length",
-                                         min(versions, default=self.weight_version), tuple(versions)))
-        return result
+        missing = [(rid, k) for rid in ids for k in range(params.n) if (rid, k) not in seqs]
+        if missing:
+            raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
+        return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
+                           tuple(versions))
+                for i, rid in enumerate(ids) for tokens, logp, versions, finish in (seqs[(rid, k)] for k in range(params.n))]

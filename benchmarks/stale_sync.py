@@ -8,10 +8,11 @@ Each run is `rlhf train CONFIG stale_sync.max_staleness=K eval_every=E` in its o
 the staleness values interleaved round by round so each sees the same machine. Outputs go under
 `out/stale_sync_bench/` (a previous benchmark's are kept beside it). Per run: generated tokens per second and
 samples per second over the steps' time (start-up and evaluation excluded: `rlhf train`'s own figures),
-seconds per step, the largest staleness trained on, samples dropped, and held-out accuracy against seconds
-since the first evaluation. The summary gives each staleness's throughput over staleness 0's (medians over
-rounds) and, at each evaluation of the asynchronous run, the synchronous run's accuracy at that same
-wall-clock time (its last evaluation by then). Writes `accuracy_vs_time.svg` beside the outputs. The last
+seconds per step, the mean seconds of each phase from step 3 on (`phase_seconds_mean`), the largest
+staleness trained on, samples dropped, and held-out accuracy against seconds since the first evaluation.
+The summary gives each staleness's throughput over staleness 0's (medians over rounds) and, at each
+evaluation of the asynchronous run, the synchronous run's accuracy at that same wall-clock time (its last
+evaluation by then). Writes `accuracy_vs_time.svg` beside the outputs. The last
 line is one JSON object.
 """
 
@@ -30,6 +31,7 @@ from benchmarks.outputs import keep_previous
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path("out/stale_sync_bench")
+PHASES = ("step", "generate", "wait_for_rollouts", "old_logprobs", "update", "weight_sync")
 
 
 def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_every: int,
@@ -45,12 +47,17 @@ def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_ev
         return {"failed": proc.returncode, "stderr_tail": proc.stderr.strip().splitlines()[-5:]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     t_eval = r["heldout_accuracy_seconds"]
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()][2:]  # after warm-up
     return {"staleness": staleness, "partial_rollout": partial, "seconds": round(time.time() - t0, 1),
             "steps": r["steps_run"],
             "tokens_per_second": r["tokens_per_second"], "samples_per_second": r["samples_per_second"],
             "seconds_per_step": r["seconds_per_step"], "staleness_max": r["staleness_max"],
             "samples_dropped": r["samples_dropped"], "sync_share": r["sync_share"],
             "parity_max_abs_diff": r["parity_max_abs_diff"],
+            # where a step's time goes: the mean of each phase over steps 3 on (generation runs beside the
+            # trainer's phases when staleness > 0)
+            "phase_seconds_mean": {k: round(statistics.mean(m.get(f"time/{k}", 0.0) for m in steps), 3)
+                                   for k in PHASES} if steps else {},
             # (step, accuracy, seconds since the first evaluation started)
             "accuracy": [(s, a, round(t - t_eval[0], 1)) for (s, a), t in zip(r["heldout_accuracy_history"], t_eval)]}
 

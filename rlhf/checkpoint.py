@@ -210,6 +210,20 @@ def fresh_run_problem(root: str | Path, resume: str, saves: bool) -> str | None:
             f"move the old checkpoints away")
 
 
+def queued_groups_problem(resume_dir: Path | None, max_staleness: int) -> str | None:
+    """Why a synchronous run (`stale_sync.max_staleness` 0) must not resume `resume_dir`: it is a StaleSync
+    checkpoint whose queue holds groups generated ahead of it. Their prompts are behind the saved data cursor,
+    so the synchronous loop would skip them without a word. None when nothing would be lost."""
+    if resume_dir is None or max_staleness > 0:
+        return None
+    queued = load_driver_state(resume_dir).get("stale_sync", {}).get("queue", {}).get("groups", [])
+    if not queued:
+        return None
+    return (f"checkpoint {resume_dir} was saved by a StaleSync run with {len(queued)} group(s) generated ahead and "
+            f"not yet trained on; resuming it with stale_sync.max_staleness=0 would skip their prompts. Resume with "
+            f"stale_sync.max_staleness set as in that run (>= 1), or resume from another checkpoint")
+
+
 def latest(root: str | Path) -> Path | None:
     """The newest complete step directory under `root`, or None."""
     done = complete_steps(root)

@@ -196,7 +196,7 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
         got, dropped = queue.take(P - len(have), step, s)
         have += got
         if dropped:  # groups too old to train on: one more batch's worth made for each batch dropped
-            run.samples_dropped += dropped * run.cfg.algorithm.group_size
+            run.samples_dropped = queue.dropped * run.cfg.algorithm.group_size  # the queue counts (and saves) them
             with producer.cond:
                 producer.last_batch += -(-dropped // P)
                 producer.cond.notify_all()
@@ -217,12 +217,11 @@ def train_async(cfg: RunConfig, log) -> dict:
             if state:  # a StaleSync checkpoint: the groups made ahead of it are trained on, not made again
                 queue.load(state["queue"])
                 next_batch, next_seq = state["next_batch"], state["next_seq"]
-                run.samples_dropped = state.get("samples_dropped", 0)
+                run.samples_dropped = queue.dropped * cfg.algorithm.group_size
                 log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
         producer = Producer(run, queue, next_batch, next_seq)
         run.extra_state = lambda: {"stale_sync": {"queue": queue.state(), "next_batch": producer.next_batch,
-                                                  "next_seq": producer.next_seq,
-                                                  "samples_dropped": run.samples_dropped}}
+                                                  "next_seq": producer.next_seq}}
         acc_start = run.evaluate(run.step)
         producer.start()
         for step in range(run.step + 1, cfg.steps + 1):
@@ -239,7 +238,8 @@ def train_async(cfg: RunConfig, log) -> dict:
             batch = learned.batch
             versions = [c.weight_version for c in ro.completions]
             fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
-            parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT, batch.mask_BT * fresh.to(batch.mask_BT.dtype))
+            parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT,
+                                    batch.mask_BT * fresh.to(batch.mask_BT.dtype))  # only there must they agree
             extra = staleness_stats(step, versions) | importance_stats(
                 learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, cfg.algorithm.tis_cap)
             extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),

@@ -19,8 +19,8 @@ import torch
 from actors.replies import SyncReplies, UpdateReply
 from actors.roles import Roles, connect
 from rlhf.batch import TokenBatch
-from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, resolve_resume, rng_state, set_rng_state,
-                             step_dir)
+from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
+                             rng_state, set_rng_state, step_dir)
 from rlhf.config.load import as_dict
 from rlhf.data.prompts import PromptRow, load_prompts
 from rlhf.data.sampler import PromptSampler
@@ -63,8 +63,9 @@ class RunInputs:
         heldout = load_prompts(d.heldout_files, d.prompt_key, d.answer_key, d.skip_bad_rows).rows
         c = cfg.checkpoint
         resume_dir = resolve_resume(Path(c.dir), c.resume)
-        problem = fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)
-        if problem:  # found before any actor starts, not at the final save
+        problem = (fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)
+                   or queued_groups_problem(resume_dir, cfg.stale_sync.max_staleness))
+        if problem:  # found before any actor starts, not at the final save or at a silently skipped prompt
             raise ConfigError(problem)
         sync = sync_layout(cfg, dm)  # the function `rlhf plan` uses: the same ranks, plan and bytes
         plan = sync.plan()  # validated before any actor starts

@@ -22,8 +22,9 @@ from rlhf.parallel.comm import init_process_group
 
 
 def free_port() -> int:
+    """A port free on every interface (torch's TCPStore listens on all of them)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

@@ -208,3 +208,20 @@ def test_a_fresh_run_refuses_a_checkpoint_dir_holding_another_runs_checkpoints(t
     assert ckpt.fresh_run_problem(root, "never", saves=False) is None  # a run that saves nothing collides with nothing
     (ckpt.step_dir(root, 5)).mkdir()  # an unfinished save of a crashed run is not in the way
     assert "1 complete" in ckpt.fresh_run_problem(root, "never", saves=True)
+
+
+def test_a_synchronous_run_refuses_a_stalesync_checkpoint_with_queued_groups(tmp_path):
+    """The queued groups' prompts are behind the saved cursor: the synchronous loop would skip them."""
+    import json
+
+    d = ckpt.step_dir(tmp_path, 2)
+    d.mkdir(parents=True)
+    (d / ckpt.DRIVER_FILE).write_text(json.dumps({"step": 2, "stale_sync": {"queue": {"groups": [{"seq": 64}] * 3},
+                                                                          "next_batch": 4, "next_seq": 96}}))
+    (d / ckpt.COMPLETE).write_text("{}")
+    problem = ckpt.queued_groups_problem(d, max_staleness=0)
+    assert "3 group(s) generated ahead" in problem and "stale_sync.max_staleness set as in that run" in problem
+    assert ckpt.queued_groups_problem(d, max_staleness=1) is None  # the StaleSync run takes them first
+    assert ckpt.queued_groups_problem(None, max_staleness=0) is None
+    (d / ckpt.DRIVER_FILE).write_text(json.dumps({"step": 2}))  # a synchronous run's checkpoint
+    assert ckpt.queued_groups_problem(d, max_staleness=0) is None
