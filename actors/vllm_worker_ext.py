@@ -208,6 +208,18 @@ class WeightUpdateExtension:
             n = self._rlhf_reload((name, f.get_tensor(name)) for name in f.keys())
         return {"ok": True, "tensors": n, "rank": self.rank}
 
+    def rlhf_set_route_capture(self, on: bool) -> bool:
+        """Record (or stop recording) the experts every MoE layer chooses per token (`actors.route_capture`)."""
+        from actors.route_capture import set_route_capture
+
+        return set_route_capture(self, on)
+
+    def rlhf_take_routes(self, request_ids: list[str]) -> dict | None:
+        """Routes of these requests, keyed (request id, sample index), then forgotten; None off rank 0."""
+        from actors.route_capture import take_routes
+
+        return take_routes(self, request_ids)
+
     def rlhf_weight_crc(self, names: list[str] | None = None) -> dict:
         """CRC32 of named parameters as vLLM holds them (kernel format): for change detection in tests."""
         model = self.model_runner.get_model()

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlhf.balance import balance
+from rlhf.model.routing import ROUTE_DTYPE, Routing
 
 PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
 
@@ -27,6 +28,8 @@ class MicroBatch:
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     extras: dict
+    routes_BTLk: Optional[torch.Tensor] = None  # the engine's expert choices (-1: none), [B, T, MoE layers, k]
+    routing: Optional[Routing] = None  # what this forward forces and records (set by the trainer)
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,16 @@ class TokenBatch:
     ref_logp_BT: Optional[torch.Tensor] = None
     rollout_logp_BT: Optional[torch.Tensor] = None  # the engine's own logprobs of the sampled tokens
     temperature: float = 1.0  # the rollout sampled from softmax(logits / temperature); logprobs score that
+    # The engine's top-k experts per token and MoE layer (int16, -1 where it routed nothing: padding, each
+    # sequence's last token), when the rollout captured them (rollout.capture_routes)
+    routes_BTLk: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                      rollout_logp: Sequence[Sequence[float]] | None = None, pad_id: int = 0,
-                     temperature: float = 1.0) -> "TokenBatch":
+                     temperature: float = 1.0, routes: Sequence | None = None) -> "TokenBatch":
+        """`routes`: per sample, the engine's expert choices [tokens routed, MoE layers, k] (numpy or torch
+        integers) for its first tokens (prompt and response; the last token is never routed)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -58,7 +66,8 @@ class TokenBatch:
             mask[i, len(p) - 1:len(s) - 1] = 1
             if lp is not None:
                 lp[i, len(p) - 1:len(s) - 1] = torch.tensor(rollout_logp[i], dtype=torch.float32)
-        return TokenBatch(ids, attn, mask, rollout_logp_BT=lp, temperature=temperature)
+        return TokenBatch(ids, attn, mask, rollout_logp_BT=lp, temperature=temperature,
+                          routes_BTLk=None if routes is None else _pad_routes(routes, T))
 
     def __len__(self) -> int:
         return self.input_ids_BT.shape[0]
@@ -90,5 +99,15 @@ class TokenBatch:
                 t = getattr(self, f"{name}_BT")
                 if t is not None:
                     extras[name] = t[idx, :T - 1]
-            out.append(MicroBatch(self.input_ids_BT[idx, :T], self.attention_mask_BT[idx, :T], extras))
+            routes = None if self.routes_BTLk is None else self.routes_BTLk[idx, :T]
+            out.append(MicroBatch(self.input_ids_BT[idx, :T], self.attention_mask_BT[idx, :T], extras, routes))
         return out
+
+
+def _pad_routes(routes: Sequence, T: int) -> torch.Tensor:
+    first = torch.as_tensor(routes[0])
+    out = torch.full((len(routes), T, *first.shape[1:]), -1, dtype=ROUTE_DTYPE)
+    for i, r in enumerate(routes):
+        r = torch.as_tensor(r)
+        out[i, :r.shape[0]] = r.to(ROUTE_DTYPE)
+    return out

@@ -174,6 +174,19 @@ class RolloutConfig:
     # over the sampled tokens exceeds this is reported (a stale or mis-installed weight moves most tokens and
     # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`).
     parity_p99_max: float = 1e-3
+    # Record, for every token the engine ran and every MoE layer, the top-k experts it chose
+    # (docs/routing_replay.md): the trainer then reports how often its own choice differs (route/* metrics)
+    # and can replay them (trainer.routing_replay=rollout, which turns this on). Turns vLLM's prefix
+    # caching off, since a cached prompt token is never routed again.
+    capture_routes: bool = False
+
+
+class RoutingReplay(Enum):
+    """Which MoE expert selection the trainer's forwards use (docs/routing_replay.md)."""
+
+    off = "off"  # each forward routes by its own live router
+    old = "old"  # R2: the selection of the step's old-logprob forward, in every mini-batch and epoch
+    rollout = "rollout"  # R3: the selection the engine made while generating
 
 
 class DistBackend(Enum):
@@ -208,6 +221,9 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     epochs: int = 1
     recompute: tuple[str, ...] = ()  # module kinds: attention, experts, norms
+    # Routing replay: the selected experts are forced, their weights still the live router's (so the router
+    # keeps its gradient). `rollout` needs the engines' routes (rollout.capture_routes, then implied).
+    routing_replay: RoutingReplay = RoutingReplay.off
 
 
 class DeviceType(Enum):
@@ -324,3 +340,8 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stale_sync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
+
+    @property
+    def captures_routes(self) -> bool:
+        """Whether the engines record their expert choices (asked for, or needed by rollout routing replay)."""
+        return self.rollout.capture_routes or self.trainer.routing_replay is RoutingReplay.rollout

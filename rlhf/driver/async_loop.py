@@ -245,7 +245,7 @@ def train_async(cfg: RunConfig, log) -> dict:
             extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
                       "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
                       "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
-                      "stale/producer_wait_seconds": producer.take_wait_seconds()}
+                      "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.route_metrics
             run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
                        time.time() - t_step, extra)
         producer.stop(run.roles.timeout_s)

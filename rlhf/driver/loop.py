@@ -37,7 +37,7 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
             run.checkpoint(step)
             parity = logprob_parity(learned.old_logp, learned.batch.rollout_logp_BT, learned.batch.mask_BT)
             run.record(step, ro, learned.batch, learned.entropy, parity, learned.updates, learned.sync, acc,
-                       time.time() - t_step)
+                       time.time() - t_step, learned.route_metrics)
         return run.finish(acc_start)
     except BaseException:
         run.close(failed=True)

@@ -91,4 +91,7 @@ def progress_fields(m: dict[str, float], accuracy: list[tuple[int, float]]) -> d
         step, acc = accuracy[-1]
         fields["acc"] = f"{acc:.3f}@{step}"
     fields["sync_MB"] = (m["sync/bytes_received"] + m["sync/bytes_shm"]) / 1e6
+    fields["parity_p99"] = f"{m['parity/p99_abs_diff']:.1e}"
+    if "route/mismatch" in m:
+        fields["route_mismatch"] = f"{m['route/mismatch']:.2%}"
     return fields

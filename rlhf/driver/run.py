@@ -164,7 +164,8 @@ class Run:
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
                                        [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
-                                       self.cfg.rollout.temperature)
+                                       self.cfg.rollout.temperature,
+                                       [c.routes for c in ro.completions] if self.cfg.captures_routes else None)
 
     def mini_batches(self, n: int, step: int) -> list[list[int]]:
         """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""
@@ -263,7 +264,9 @@ class Run:
                                                "time/sync", "time/sync_transfer",
                                                "time/sync_install", "sync/bytes_received", "sync/bytes_shm",
                                                "rollout/generated_tokens")}
-                            | {"step": step, "samples": len(batch), "staleness_max": m.get("stale/staleness_max", 0)})
+                            | {"step": step, "samples": len(batch), "staleness_max": m.get("stale/staleness_max", 0),
+                               "route_mismatch": m.get("route/mismatch"),
+                               "route_tokens_any_mismatch": m.get("route/tokens_any_mismatch")})
         self.progress.update(step, progress_fields(m, self.accuracy))
 
     def finish(self, acc_start: float) -> dict:
@@ -292,6 +295,11 @@ class Run:
             "parity_mean_abs_diff_max": max((h["parity/mean_abs_diff"] for h in self.history), default=None),
             "parity_p99_abs_diff_max": max((h["parity/p99_abs_diff"] for h in self.history), default=None),
             "parity_violations": self.parity_violations,
+            # routing (rollout.capture_routes): the trainer's own top-k against the engine's, mean over steps
+            "route_mismatch_mean": _mean((h["route_mismatch"] for h in self.history
+                                          if h["route_mismatch"] is not None), 6),
+            "route_tokens_any_mismatch_mean": _mean((h["route_tokens_any_mismatch"] for h in self.history
+                                                     if h["route_tokens_any_mismatch"] is not None), 6),
             "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
             "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
             "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],
@@ -342,6 +350,6 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def _mean(values) -> float | None:
+def _mean(values, digits: int = 4) -> float | None:
     values = list(values)
-    return round(sum(values) / len(values), 4) if values else None
+    return round(sum(values) / len(values), digits) if values else None

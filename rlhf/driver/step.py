@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from actors.replies import SyncReplies
-from actors.roles import batch_logprobs
+from actors.roles import batch_logprobs, batch_route_differs
 from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
 from rlhf.batch import TokenBatch
 from rlhf.driver.rollout import Rollout
 from rlhf.driver.run import Run
+from rlhf.model.routing import RouteStats
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Learned:
     entropy: torch.Tensor
     updates: list
     sync: SyncReplies
+    route_metrics: dict  # route/* (with engine routes in the batch): how often the trainer's routing differs
 
 
 def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
@@ -39,12 +41,13 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     if switch:
         with run.phase("switch to training", step):
             run.switch("sleep", "onload")
-    old_logp = entropy = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
+    old_logp = entropy = differs = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
     if not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches)):
         with run.phase("old logprobs", step):
             old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch))
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
-    ref_logp = run.reference_logprobs(batch, step)
+        differs = batch_route_differs(replies)
+    ref_logp = run.reference_logprobs(batch.with_(routes_BTLk=None), step)  # the policy's routes are not its
     rewards_PG = ro.rewards_PG
     if cfg.algorithm.kl_in_reward and ref_logp is not None:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)
@@ -55,10 +58,20 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     run.trace_ranks("update", roles.trainer, updates, step)
     if old_logp is None:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
+        differs = batch_route_differs([u.logprobs for u in updates])
     with run.phase("weight sync", step):
         sync = roles.sync_weights(run.inputs.sync, step, run.inputs.same_device)
     run.trace_ranks("weight sync", roles.trainer + roles.engines, sync.sends + sync.receives, step)
     if switch:
         with run.phase("switch to rollout", step):
             run.switch("wake_up", "offload")
-    return Learned(batch, old_logp, entropy, updates, sync)
+    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(batch, differs))
+
+
+def route_metrics(batch: TokenBatch, differs_BT) -> dict:
+    if differs_BT is None or batch.routes_BTLk is None:
+        return {}
+    s = RouteStats.of(differs_BT, batch.routes_BTLk)
+    return {"route/mismatch": s.mismatch, "route/tokens_any_mismatch": s.tokens_any_mismatch,
+            "route/token_layers": s.token_layers,
+            "route/bytes": s.token_layers * batch.routes_BTLk.shape[-1] * batch.routes_BTLk.element_size()}

@@ -8,7 +8,9 @@ its experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, the
 `rlhf.model.hf_io` converts between the two.
 
 Each forward records, per MoE layer, how many (valid) tokens were routed to each expert
-(`router_stats()`), for expert-load metrics, expert placement and the simulator.
+(`router_stats()`), for expert-load metrics, expert placement and the simulator. A `Routing`
+(`rlhf.model.routing`) given to the forward forces, records or compares each layer's expert choice
+(routing replay).
 
 Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim, E experts, k top-k,
 I expert FFN size, V vocab.
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
+from rlhf.model.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig
 
 
@@ -95,13 +98,15 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
-    def forward(self, x_SH: torch.Tensor):
+    def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
+        """(weights [S, k], experts [S, k], the live top-k [S, k]); rows of `forced_Sk` other than -1 use
+        those experts, weighted by the live probabilities (`rlhf.model.routing.route`)."""
         logits_SE = F.linear(x_SH, self.weight)
         probs_SE = torch.softmax(logits_SE, dim=-1, dtype=torch.float)
-        weights_Sk, experts_Sk = torch.topk(probs_SE, self.top_k, dim=-1)
+        weights_Sk, experts_Sk, live_Sk = route(probs_SE, self.top_k, forced_Sk)
         if self.norm_topk_prob:
             weights_Sk = weights_Sk / weights_Sk.sum(dim=-1, keepdim=True)
-        return weights_Sk.to(x_SH.dtype), experts_Sk
+        return weights_Sk.to(x_SH.dtype), experts_Sk, live_Sk
 
 
 class Experts(nn.Module):
@@ -139,17 +144,23 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe_index: int = 0):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.num_experts = cfg.num_experts
+        self.moe_index = moe_index  # this block's place among the MoE layers (routes are indexed by it)
         self.last_tokens_per_expert: torch.Tensor | None = None
 
-    def forward(self, x_BTH, valid_BT=None):
+    def forward(self, x_BTH, valid_BT=None, routing: Routing | None = None):
         B, T, H = x_BTH.shape
         x_SH = x_BTH.reshape(-1, H)
-        weights_Sk, experts_Sk = self.gate(x_SH)
+        if routing is None:
+            weights_Sk, experts_Sk, _ = self.gate(x_SH)
+        else:
+            i = self.moe_index
+            weights_Sk, experts_Sk, live_Sk = self.gate(x_SH, routing.layer(routing.forced_BTLk, i))
+            observe(routing, i, live_Sk, routing.layer(routing.engine_BTLk, i))
         with torch.no_grad():
             chosen = experts_Sk if valid_BT is None else experts_Sk[valid_BT.reshape(-1)]
             self.last_tokens_per_expert = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
@@ -161,14 +172,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(cfg)
         self.is_moe = layer_idx >= cfg.first_k_dense_layers
-        self.mlp = SparseMoE(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (SparseMoE(cfg, layer_idx - cfg.first_k_dense_layers) if self.is_moe
+                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, valid_BT):
+    def forward(self, x, cos, sin, mask, valid_BT, routing=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, valid_BT) if self.is_moe else self.mlp(h))
+        return x + (self.mlp(h, valid_BT, routing) if self.is_moe else self.mlp(h))
 
 
 class Qwen3MoeModel(nn.Module):
@@ -193,16 +205,18 @@ class Qwen3MoeDecoder(nn.Module):
         input_ids_BT: torch.Tensor,
         attention_mask_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H]. `attention_mask_BT` (1 = real token) allows left or right padding."""
-        ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT)
+        """Final-norm hidden states [B, T, H]. `attention_mask_BT` (1 = real token) allows left or right padding;
+        `routing` forces, records or compares the MoE layers' expert choices."""
+        ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT, routing)
         x = self.model.embed_tokens(input_ids_BT)
         for layer in self.model.layers:
             x = layer(x, *ctx)
         return self.model.norm(x)
 
-    def prepare(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None):
-        """What every layer needs besides the hidden states: (cos, sin, attention mask, valid tokens)."""
+    def prepare(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None, routing=None):
+        """What every layer needs besides the hidden states: (cos, sin, attention mask, valid tokens, routing)."""
         cfg = self.config
         B, T = input_ids_BT.shape
         dev = input_ids_BT.device
@@ -221,7 +235,7 @@ class Qwen3MoeDecoder(nn.Module):
                 position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
         dtype = next(self.parameters()).dtype
         cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, dtype)
-        return cos, sin, mask, valid_BT
+        return cos, sin, mask, valid_BT, routing
 
     def router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert in the last forward: [num MoE layers, E] (int64)."""
@@ -264,9 +278,10 @@ class Qwen3MoeForCausalLM(Qwen3MoeDecoder):
         input_ids_BT: torch.Tensor,
         attention_mask_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V]. `attention_mask_BT` (1 = real token) allows left or right padding."""
-        return self.lm_head(self.hidden_states(input_ids_BT, attention_mask_BT, position_ids_BT))
+        return self.lm_head(self.hidden_states(input_ids_BT, attention_mask_BT, position_ids_BT, routing))
 
 
 def check_supported(cfg: ModelConfig) -> None:

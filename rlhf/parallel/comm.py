@@ -181,6 +181,12 @@ def split_to_group(x, group, dim: int = 0):
     return x if group is None else _SplitToGroup.apply(x, group, dim)
 
 
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every member's rows of an integer or bool tensor, in member order; not differentiable (gloo has no
+    int16 or bool collectives, so they travel as int32)."""
+    return x if group is None else _gather(x.to(torch.int32), group, 0).to(x.dtype)
+
+
 def gather_from_group(x, group, dim: int = 0):
     return x if group is None else _GatherFromGroup.apply(x, group, dim)
 

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
+from rlhf.model.routing import Routing, observe
 from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, split_of
-from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_from_group, reduce_from_group, split_to_group
+from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_rows, gather_from_group, reduce_from_group, split_to_group
 from rlhf.parallel.dispatch import Dispatcher
 
 
@@ -40,7 +41,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: SparseMoE, groups: LayoutGroups, expert_map: Sequence[int], dispatcher: Dispatcher):
         super().__init__()
         self.gate, self.experts = moe.gate, moe.experts
-        self.num_experts = moe.num_experts
+        self.num_experts, self.moe_index = moe.num_experts, moe.moe_index
         self.groups = groups
         shard_of = torch.tensor(expert_map, dtype=torch.long)
         local_index = torch.zeros(self.num_experts, dtype=torch.long)
@@ -52,7 +53,7 @@ class ExpertParallelMoE(nn.Module):
         self.dispatcher = dispatcher
         self.last_tokens_per_expert: torch.Tensor | None = None
 
-    def forward(self, x_BTH, valid_BT=None):
+    def forward(self, x_BTH, valid_BT=None, routing: Routing | None = None):
         B, T, H = x_BTH.shape
         tp = self.groups.size("tp")
         x_SH = x_BTH.reshape(-1, H)
@@ -64,7 +65,14 @@ class ExpertParallelMoE(nn.Module):
             valid_S = torch.cat([valid_S, valid_S.new_zeros(pad)])
         x_loc = split_to_group(x_SH, self.groups.tp)
         valid_loc = valid_S.chunk(tp)[self.groups.index("tp")] if tp > 1 else valid_S
-        weights_Sk, experts_Sk = self.gate(x_loc)
+        if routing is None:
+            weights_Sk, experts_Sk, _ = self.gate(x_loc)
+        else:  # this rank's slice of the routes, as of the tokens; what the router chose, gathered back
+            i = self.moe_index
+            forced, engine = (self._my_rows(routing.layer(r, i), pad) for r in (routing.forced_BTLk, routing.engine_BTLk))
+            weights_Sk, experts_Sk, live_Sk = self.gate(x_loc, forced)
+            observe(routing, i, live_Sk, engine,
+                    lambda t: gather_rows(t, self.groups.tp)[:S])
         with torch.no_grad():
             self.last_tokens_per_expert = torch.bincount(experts_Sk[valid_loc].reshape(-1), minlength=self.num_experts)
         k = experts_Sk.shape[1]
@@ -73,6 +81,12 @@ class ExpertParallelMoE(nn.Module):
         out_loc = (y_rows.view(-1, k, H) * weights_Sk[..., None]).sum(1)
         out = gather_from_group(out_loc, self.groups.tp)[:S]
         return out.view(B, T, H)
+
+    def _my_rows(self, routes_Sk: torch.Tensor | None, pad: int) -> torch.Tensor | None:
+        if routes_Sk is None or self.groups.size("tp") == 1:
+            return routes_Sk
+        routes_Sk = torch.cat([routes_Sk, routes_Sk.new_full((pad, routes_Sk.shape[1]), -1)])
+        return routes_Sk.chunk(self.groups.size("tp"))[self.groups.index("tp")]
 
 
 def _tp_input_hook(group):

@@ -31,7 +31,7 @@ class PipelineRunner:
 
     def _stage_forward(self, mb, x_in):
         m = self.model
-        ctx = m.prepare(mb.input_ids_BT, mb.attention_mask_BT)
+        ctx = m.prepare(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
         x = m.model.embed_tokens(mb.input_ids_BT) if self.first else x_in
         for i in self.stages[self.stage]:
             x = m.model.layers[i](x, *ctx)

@@ -11,6 +11,7 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlhf.batch import MicroBatch
-from rlhf.schema import ModelConfig, TrainerConfig
+from rlhf.model.routing import ROUTE_DTYPE, Routing
+from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.sharding import Split, TrainerSharding, rank_sharding, row_sharded, split_of
@@ -85,6 +87,11 @@ class ParallelTrainer:
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
         self._offloaded: dict | None = None
+        self.moe_layers = model_cfg.num_hidden_layers - model_cfg.first_k_dense_layers
+        self._old_routes: dict[int, torch.Tensor] = {}  # R2: batch row -> this stage's routes [T, L, k]
+        # per micro-batch of the last measured forward: (batch rows, MoE layers that chose another expert set
+        # than the engine, per token [B, T], summed over the pipeline stages)
+        self.route_differs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _shard_parameters(self, stage_split) -> None:
         """zero_stage=3: the loaded row shards become parameters gathered by each unit's forward."""
@@ -102,7 +109,63 @@ class ParallelTrainer:
         return self.stage == self.layout.pp - 1
 
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT)
+        return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
+
+    # --- routing replay (rlhf.model.routing) ---
+    def _routed(self, micro_batches: Sequence[MicroBatch], first: bool) -> list[MicroBatch]:
+        """The micro-batches with the routing their forwards use: the routes to force (the engine's, R3, or
+        those this rank recorded in the step's old-logprob forward, R2) and, in the step's first forward
+        (`first`), the engine's routes to compare with and the R2 record."""
+        mode = self.tcfg.routing_replay
+        if first:
+            self._old_routes.clear()
+        out = []
+        for mb in micro_batches:
+            forced = None
+            if mode is RoutingReplay.rollout:
+                if mb.routes_BTLk is None:
+                    raise ValueError("trainer.routing_replay=rollout but the batch carries no engine routes "
+                                     "(rollout.capture_routes)")
+                forced = mb.routes_BTLk
+            elif mode is RoutingReplay.old and self._old_routes:
+                forced = self._recorded_routes(mb)
+            engine = mb.routes_BTLk if first else None
+            record = first and mode is RoutingReplay.old
+            out.append(mb if forced is None and engine is None and not record
+                       else replace(mb, routing=Routing(forced, engine, record)))
+        return out
+
+    def _recorded_routes(self, mb: MicroBatch) -> torch.Tensor:
+        B, T = mb.input_ids_BT.shape
+        k = self.cfg.num_experts_per_tok
+        out = torch.full((B, T, self.moe_layers, k), -1, dtype=ROUTE_DTYPE)
+        for i, row in enumerate(mb.extras["rows"].tolist()):
+            r = self._old_routes[row]
+            out[i, :r.shape[0]] = r
+        return out
+
+    def _after_first_forward(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """Keep the R2 record by batch row; sum each token's differing layers over the pipeline stages (a
+        collective over the stage axis: every rank calls it)."""
+        self.route_differs = []
+        routed = [mb for mb in micro_batches if mb.routing is not None]
+        if not routed:
+            return
+        k = self.cfg.num_experts_per_tok
+        for mb in routed:
+            if mb.routing.record:
+                B, T = mb.input_ids_BT.shape
+                chosen = mb.routing.chosen_BTLk(B, T, self.moe_layers, k)
+                for i, (row, n) in enumerate(zip(mb.extras["rows"].tolist(), mb.attention_mask_BT.sum(1).tolist())):
+                    self._old_routes[row] = chosen[i, :n].clone()
+        if routed[0].routing.engine_BTLk is not None:
+            counts = [mb.routing.differ_count_BT(*mb.input_ids_BT.shape) for mb in routed]
+            flat = torch.cat([c.reshape(-1) for c in counts]).to(torch.int32)
+            if self.layout.pp > 1:
+                flat = all_reduce(flat, self.groups.pp)
+            parts = flat.split([c.numel() for c in counts])
+            self.route_differs = [(mb.extras["rows"], p.view_as(c).to(ROUTE_DTYPE))
+                                  for mb, p, c in zip(routed, parts, counts)]
 
     def _score(self, temperature: float):
         """(final hidden states [B, T, H], input ids) -> (logp, entropy) [B, T-1] of each next token, through
@@ -115,17 +178,25 @@ class ParallelTrainer:
         """(logp_BT, entropy_BT) per micro-batch on the last pipeline stage; None on other stages."""
         self.model.eval()
         score = self._score(temperature)
+        micro_batches = self._routed(micro_batches, first=True)
         if self.pipeline is not None:
-            return self.pipeline.forward_only(micro_batches, score)
-        return [score(self._hidden(mb), mb.input_ids_BT) for mb in micro_batches]
+            out = self.pipeline.forward_only(micro_batches, score)
+        else:
+            out = [score(self._hidden(mb), mb.input_ids_BT) for mb in micro_batches]
+        self._after_first_forward(micro_batches)
+        return out
 
     # --- training ---
-    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict:
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float = 1.0,
+                   first: bool = False) -> dict:
         """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step. Logprobs are
-        those of softmax(logits / temperature), the distribution the rollout sampled from."""
+        those of softmax(logits / temperature), the distribution the rollout sampled from. `first`: this is
+        the step's first forward (on-policy updates have no separate old-logprob forward), where the routes
+        are measured against the engine's."""
         self._check_onloaded()
         self.model.train()
         score = self._score(temperature)
+        micro_batches = self._routed(micro_batches, first)
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -140,6 +211,8 @@ class ParallelTrainer:
                 loss = loss_fn(logp, ent, mb)
                 loss.backward()
                 losses.append(loss.detach())
+        if first:
+            self._after_first_forward(micro_batches)
         self.sync_grads()
         grad_norm = self.clip_grads(self.tcfg.grad_clip)
         self.optimizer.set_lr(self.current_lr())

@@ -148,3 +148,31 @@ def _check_tp2(engine, m1, m2):
     assert (torch.tensor(engine.sequence_logprobs(seqs.tolist())) - _ours(m2, seqs)).abs().max() <= 1e-5
     engine.update_weights(_hf(m1), version=2)
     assert (torch.tensor(engine.sequence_logprobs(seqs.tolist())) - fresh1).abs().max() <= 1e-6
+
+
+def test_prefix_cached_prompt_follows_an_update(tmp_path):
+    """A prompt longer than a KV block (128 tokens on cpu) is prefix-cached by its first generation; after an
+    update, generating from it again must use keys and values of the new weights, not the cached ones."""
+    from dataclasses import replace
+
+    from actors.vllm_engine import VLLMEngine
+
+    m1, m2 = _model(1), _model(2)
+    long_cfg = replace(m1.config, max_position_embeddings=512)
+    m1, m2 = (Qwen3MoeForCausalLM(long_cfg).eval() for _ in range(2))
+    m1.init_weights(1, std=0.1)
+    m2.init_weights(2, std=0.1)
+    save_tokenizer(build_tokenizer(long_cfg.vocab_size), tmp_path)
+    save_pretrained(m1, tmp_path)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(), max_model_len=512)
+    try:
+        g = torch.Generator().manual_seed(3)
+        prompt = [1] + torch.randint(3, long_cfg.vocab_size, (299,), generator=g).tolist()
+        first = engine.generate([prompt], max_tokens=1, temperature=0.0)[0]
+        engine.update_weights(_hf(m2), version=1)
+        again = engine.generate([prompt], max_tokens=1, temperature=0.0)[0]
+        seq = torch.tensor([prompt + list(again.token_ids)])
+        want = float(_ours(m2, seq)[0, -1])
+        assert abs(again.logp[0] - want) <= 1e-5, (again.logp[0], want, first.logp[0])
+    finally:
+        engine.close()

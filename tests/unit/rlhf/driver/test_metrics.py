@@ -73,10 +73,12 @@ def test_step_metrics_from_replies():
 def test_progress_line_shows_the_last_evaluated_accuracy_and_its_step_never_nan():
     from rlhf.tracking import Progress
 
-    m = {"reward/mean": 0.41, "sync/bytes_received": 3_000_000, "sync/bytes_shm": 130_000}
+    m = {"reward/mean": 0.41, "sync/bytes_received": 3_000_000, "sync/bytes_shm": 130_000,
+         "parity/p99_abs_diff": 2.5e-7}
     history = [(0, 0.25), (25, 0.3984)]
     fields = progress_fields(m, history)
-    assert fields == {"reward": 0.41, "acc": "0.398@25", "sync_MB": 3.13}
+    assert fields == {"reward": 0.41, "acc": "0.398@25", "sync_MB": 3.13, "parity_p99": "2.5e-07"}
+    assert progress_fields(m | {"route/mismatch": 0.0312}, history)["route_mismatch"] == "3.12%"
     line = Progress(30).render(27, fields, elapsed_s=54.0)  # two steps after the last evaluation
     assert "acc 0.398@25" in line and "nan" not in line
     assert "acc" not in progress_fields(m, [])  # nothing evaluated yet: no accuracy shown, not nan

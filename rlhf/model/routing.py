@@ -1,0 +1,99 @@
+"""Routing replay (R2/R3): one forward's expert selections, forced, recorded or compared.
+
+In MoE RL the engine and the trainer pick each token's top-k experts independently; where two router
+scores are near a tie, a precision or kernel difference picks other experts and the token's logprob
+jumps for reasons unrelated to the update. Replay forces the selection the engine made (R3, `rollout`)
+or the trainer's own old-logprob forward made (R2, `old`), while the routing weights are still the live
+router's probabilities at those ids, so the router keeps its gradient.
+
+A `Routing` travels with one micro-batch's forward (in the layers' context, so recomputation and
+pipeline stages see the same object): routes are [B, T, L, k] integers over the MoE layers in order
+(L = MoE layers, not all layers), -1 on tokens with no route (padding, a sequence's last token, which
+the engine never fed back). Each MoE block reads its layer's slice and writes what its router chose.
+
+Legend: B batch, T tokens, S = B*T rows, L MoE layers, k top-k, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+ROUTE_DTYPE = torch.int16  # expert ids < 32768: 2 bytes per (token, layer, slot)
+
+
+@dataclass
+class Routing:
+    """One forward's routing: what to force (`forced_BTLk`), what to compare the live choice with
+    (`engine_BTLk`), and, filled by the MoE blocks, what each layer's router chose (`chosen`, when
+    `record`) and where its live top-k set differs from the engine's (`differs`)."""
+
+    forced_BTLk: Optional[torch.Tensor] = None
+    engine_BTLk: Optional[torch.Tensor] = None
+    record: bool = False
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> live top-k [S, k]
+    differs: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [S] bool
+
+    def layer(self, routes_BTLk: Optional[torch.Tensor], moe_index: int) -> Optional[torch.Tensor]:
+        return None if routes_BTLk is None else routes_BTLk[:, :, moe_index].reshape(-1, routes_BTLk.shape[-1])
+
+    def differ_count_BT(self, B: int, T: int) -> torch.Tensor:
+        """Per token, how many of this forward's MoE layers chose another top-k set than the engine."""
+        out = torch.zeros(B * T, dtype=ROUTE_DTYPE)
+        for d in self.differs.values():
+            out += d.to(ROUTE_DTYPE)
+        return out.view(B, T)
+
+    def chosen_BTLk(self, B: int, T: int, num_layers: int, k: int) -> torch.Tensor:
+        """The recorded choices as routes; layers this forward did not run (another stage's) stay -1."""
+        out = torch.full((B * T, num_layers, k), -1, dtype=ROUTE_DTYPE)
+        for l, c in self.chosen.items():
+            out[:, l] = c
+        return out.view(B, T, num_layers, k)
+
+
+def route(probs_SE: torch.Tensor, k: int, forced_Sk: Optional[torch.Tensor]):
+    """(weights [S, k] before any renormalisation, experts [S, k], live top-k experts [S, k]). Rows of
+    `forced_Sk` that hold ids (not -1) take those experts, weighted by the live probabilities there; the
+    others take the live top-k. Forcing a row's own live choice gives its live weights bit for bit."""
+    live_w, live_e = torch.topk(probs_SE, k, dim=-1)
+    if forced_Sk is None:
+        return live_w, live_e, live_e
+    use_S1 = forced_Sk[:, :1] >= 0
+    experts = torch.where(use_S1, forced_Sk.long(), live_e)
+    return probs_SE.gather(1, experts), experts, live_e
+
+
+def sets_differ(a_Sk: torch.Tensor, b_Sk: torch.Tensor) -> torch.Tensor:
+    """[S] bool: whether two top-k selections pick different expert sets (order within k ignored)."""
+    return (a_Sk.long().sort(-1).values != b_Sk.long().sort(-1).values).any(-1)
+
+
+def observe(routing: Routing, moe_index: int, live_Sk: torch.Tensor, engine_Sk: Optional[torch.Tensor],
+            gather=lambda t: t) -> None:
+    """Record a layer's live choice and where it differs from the engine's (rows with an engine route).
+    `gather` brings a rank's share of the rows to all of them (tensor-parallel MoE blocks)."""
+    with torch.no_grad():
+        if routing.record:
+            routing.chosen[moe_index] = gather(live_Sk.to(ROUTE_DTYPE))
+        if engine_Sk is not None:
+            routing.differs[moe_index] = gather(sets_differ(live_Sk, engine_Sk) & (engine_Sk[:, 0] >= 0))
+
+
+@dataclass(frozen=True)
+class RouteStats:
+    """How often the trainer's live routing differs from the engine's, over the tokens the engine routed."""
+
+    mismatch: float  # share of (token, MoE layer) top-k sets that differ
+    tokens_any_mismatch: float  # share of tokens with at least one layer that differs
+    token_layers: int  # (token, layer) pairs compared
+
+    @staticmethod
+    def of(differs_BT: torch.Tensor, engine_BTLk: torch.Tensor) -> "RouteStats":
+        routed_BT = engine_BTLk[:, :, 0, 0] >= 0
+        L = engine_BTLk.shape[2]
+        tokens = int(routed_BT.sum())
+        d = differs_BT[:, :routed_BT.shape[1]].long() * routed_BT
+        return RouteStats(float(d.sum()) / max(tokens * L, 1), float((d > 0).sum()) / max(tokens, 1), tokens * L)
