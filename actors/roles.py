@@ -99,8 +99,11 @@ class Roles:
         return roles
 
     # --- fan-out calls ---
-    def all(self, group: Sequence[RoleHandle], method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
-        return call_all([(h, method, args, kwargs) for h in group], timeout_s or self.timeout_s)
+    def all(self, group: Sequence[RoleHandle], method: str, *args, timeout_s: float | None = None,
+            per_rank: Sequence[dict] | None = None, **kwargs) -> list:
+        """`method` on every rank at once; `per_rank`: keyword arguments of each rank's own."""
+        extra = per_rank or [{}] * len(group)
+        return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, **kwargs) -> list:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`."""
@@ -123,9 +126,9 @@ class Roles:
                          for w, a, b in zip(self.rewards, bounds, bounds[1:])], self.timeout_s)
         return [s for o in outs for s in o.scores], outs
 
-    def logprobs(self, group: Sequence[RoleHandle], batch_ref) -> tuple:
+    def logprobs(self, group: Sequence[RoleHandle], batch_ref, per_rank: Sequence[dict] | None = None) -> tuple:
         """(logp [B, T-1], entropy [B, T-1], per-rank replies) of a policy group over the whole batch."""
-        outs = self.all(group, "logprobs", batch_ref)
+        outs = self.all(group, "logprobs", batch_ref, per_rank=per_rank)
         return (*batch_logprobs(outs), outs)
 
     def ray_nodes(self) -> list[str]:

@@ -21,6 +21,7 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
+from rlhf.model.routing import RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer
@@ -55,10 +56,11 @@ class PolicyWorker:
         c = self.layout.coords(self.rank)
         return self.trainer.is_last_stage and c.tp == 0
 
-    def logprobs(self, batch: TokenBatch) -> LogprobsReply | None:
+    def logprobs(self, batch: TokenBatch, routes: RouteShare | None = None) -> LogprobsReply | None:
         """Per-token logprobs and entropies [rows, T-1] of this DP rank's samples, from one rank per DP
-        index; None from the others."""
+        index; None from the others. `routes`: this rank's share of the engines' routes (sent apart)."""
         t0 = time.time()
+        batch = self._with_routes(batch, routes)
         self.trainer.onload(self._device())
         c = self.layout.coords(self.rank)
         mbs = batch.micro_batches(range(len(batch)), self.layout.dp, c.dp, self.tcfg.micro_batch_tokens)
@@ -66,6 +68,12 @@ class PolicyWorker:
         if not self._returns_rows:
             return None
         return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0, self.trainer.route_differs)
+
+    def _with_routes(self, batch: TokenBatch, routes: RouteShare | None) -> TokenBatch:
+        if routes is None:
+            return batch
+        m = self.model_cfg
+        return batch.with_(routes_BTLk=routes.expand(len(batch), m.num_hidden_layers - m.first_k_dense_layers))
 
     def offload(self) -> int:
         return self.trainer.offload()
@@ -86,11 +94,13 @@ class TrainerWorker(PolicyWorker):
         self.algo = algorithm_cfg
         self.sync_group = None
 
-    def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]]) -> UpdateReply:
+    def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]],
+               routes: RouteShare | None = None) -> UpdateReply:
         """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
         same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
         count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""
         t0 = time.time()
+        batch = self._with_routes(batch, routes)
         self.trainer.onload(self._device())
         c = self.layout.coords(self.rank)
         record, losses, norms = LossRecord(), [], []

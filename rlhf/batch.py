@@ -83,6 +83,16 @@ class TokenBatch:
     def with_(self, **fields) -> "TokenBatch":
         return replace(self, **fields)
 
+    def dp_rows(self, row_lists: Sequence[Sequence[int]], dp: int, dp_index: int, max_tokens: int) -> list[int]:
+        """The samples DP rank `dp_index` takes in any of the calls over `row_lists` (each call's rows, as given
+        to `micro_batches`): what that rank needs of the per-sample data sent apart (routes)."""
+        out: set[int] = set()
+        for rows in row_lists:
+            rows = list(rows)
+            for mb in balance([self.lengths[r] for r in rows], dp, max_tokens).per_rank[dp_index]:
+                out.update(rows[i] for i in mb)
+        return sorted(out)
+
     def micro_batches(self, rows: Sequence[int], dp: int, dp_index: int, max_tokens: int) -> list[MicroBatch]:
         """This DP rank's micro-batches of the samples `rows`, balanced by token count across the `dp`
         ranks (every rank computes the same assignment). Each is trimmed to its longest sample."""

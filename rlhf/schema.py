@@ -172,13 +172,21 @@ class RolloutConfig:
     engine_core_in_process: Optional[bool] = None
     # Trainer/engine logprob parity: a step whose 99th percentile of |trainer - engine| logprob difference
     # over the sampled tokens exceeds this is reported (a stale or mis-installed weight moves most tokens and
-    # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`).
-    parity_p99_max: float = 1e-3
+    # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`). 0: by the
+    # engine's dtype (`parity_limit`): 1e-3 for fp32 engines (healthy runs show ~1e-5), 0.25 for bf16 / fp16
+    # ones, whose rounding alone puts it at 0.08-0.12 on the tiny job (docs/routing_replay.md).
+    parity_p99_max: float = 0.0
     # Record, for every token the engine ran and every MoE layer, the top-k experts it chose
     # (docs/routing_replay.md): the trainer then reports how often its own choice differs (route/* metrics)
     # and can replay them (trainer.routing_replay=rollout, which turns this on). Turns vLLM's prefix
     # caching off, since a cached prompt token is never routed again.
     capture_routes: bool = False
+
+    @property
+    def parity_limit(self) -> float:
+        if self.parity_p99_max > 0:
+            return self.parity_p99_max
+        return 1e-3 if self.dtype is DType.float32 else 0.25
 
 
 class RoutingReplay(Enum):

@@ -29,6 +29,7 @@ from rlhf.driver.metrics import progress_fields, step_metrics
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
+from rlhf.model.routing import route_share
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
@@ -159,6 +160,22 @@ class Run:
 
         return ray.put(obj)
 
+    def route_shares(self, batch: TokenBatch, row_lists) -> tuple[list[dict], dict]:
+        """Each trainer rank's share of the batch's routes (its DP index's samples in the calls over
+        `row_lists`, its stage's MoE layers), as call kwargs put once per (DP index, stage); and their bytes."""
+        m, t = self.cfg.model, self.cfg.trainer
+        lay = self.inputs.sync.trainer
+        stages = [[l - m.first_k_dense_layers for l in r if l >= m.first_k_dense_layers]
+                  for r in lay.stage_layers(m.num_hidden_layers)]
+        refs, sizes = {}, {}
+        for dp in range(lay.dp):
+            rows = batch.dp_rows(row_lists, lay.dp, dp, t.micro_batch_tokens)
+            for stage, layers in enumerate(stages):
+                share = route_share(batch.routes_BTLk, rows, layers)
+                refs[dp, stage], sizes[dp, stage] = self.put(share), share.nbytes
+        per_rank = [{"routes": refs[c.dp, c.pp]} for c in map(lay.coords, range(lay.world_size))]
+        return per_rank, {"route/bytes_sent": sum(sizes.values()), "route/bytes_per_rank_max": max(sizes.values())}
+
     def token_batch(self, ro: Rollout) -> TokenBatch:
         G = self.cfg.algorithm.group_size
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
@@ -240,7 +257,7 @@ class Run:
                extra: dict | None = None) -> None:
         cfg = self.cfg
         self.step = step
-        problem = parity_problem(parity, cfg.rollout.parity_p99_max)
+        problem = parity_problem(parity, cfg.rollout.parity_limit)
         if problem:
             self.parity_violations += 1
             self.log(f"step {step}: {problem}")

@@ -38,23 +38,28 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     cfg, roles = run.cfg, run.roles
     batch = run.token_batch(ro)
     mini_batches = run.mini_batches(len(batch), step)
+    off_policy = not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches))
+    sent, routes, route_bytes = batch, None, {}
+    if batch.routes_BTLk is not None:  # each trainer rank gets its own share of the routes, apart from the batch
+        routes, route_bytes = run.route_shares(batch, [range(len(batch))] * off_policy + mini_batches)
+        sent = batch.with_(routes_BTLk=None)
     if switch:
         with run.phase("switch to training", step):
             run.switch("sleep", "onload")
     old_logp = entropy = differs = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
-    if not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches)):
+    if off_policy:
         with run.phase("old logprobs", step):
-            old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch))
+            old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(sent), routes)
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
         differs = batch_route_differs(replies)
-    ref_logp = run.reference_logprobs(batch.with_(routes_BTLk=None), step)  # the policy's routes are not its
+    ref_logp = run.reference_logprobs(batch.with_(routes_BTLk=None), step)
     rewards_PG = ro.rewards_PG
     if cfg.algorithm.kl_in_reward and ref_logp is not None:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)
-    batch = batch.with_(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp,
-                        ref_logp_BT=ref_logp)
+    extras = dict(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp, ref_logp_BT=ref_logp)
+    batch, sent = batch.with_(**extras), sent.with_(**extras)
     with run.phase("update", step):
-        updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches)
+        updates = roles.all(roles.trainer, "update", run.put(sent), mini_batches, per_rank=routes)
     run.trace_ranks("update", roles.trainer, updates, step)
     if old_logp is None:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
@@ -65,7 +70,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     if switch:
         with run.phase("switch to rollout", step):
             run.switch("wake_up", "offload")
-    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(batch, differs))
+    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(batch, differs) | route_bytes)
 
 
 def route_metrics(batch: TokenBatch, differs_BT) -> dict:
@@ -73,5 +78,4 @@ def route_metrics(batch: TokenBatch, differs_BT) -> dict:
         return {}
     s = RouteStats.of(differs_BT, batch.routes_BTLk)
     return {"route/mismatch": s.mismatch, "route/tokens_any_mismatch": s.tokens_any_mismatch,
-            "route/token_layers": s.token_layers,
-            "route/bytes": s.token_layers * batch.routes_BTLk.shape[-1] * batch.routes_BTLk.element_size()}
+            "route/token_layers": s.token_layers}

@@ -17,7 +17,7 @@ Legend: B batch, T tokens, S = B*T rows, L MoE layers, k top-k, E experts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -97,3 +97,30 @@ class RouteStats:
         tokens = int(routed_BT.sum())
         d = differs_BT[:, :routed_BT.shape[1]].long() * routed_BT
         return RouteStats(float(d.sum()) / max(tokens * L, 1), float((d > 0).sum()) / max(tokens, 1), tokens * L)
+
+
+@dataclass(frozen=True)
+class RouteShare:
+    """The routes one trainer rank needs, and no more: the samples its DP index trains on (`rows`) and the
+    MoE layers of its pipeline stage. TP and EP ranks of one (DP index, stage) share one."""
+
+    rows: torch.Tensor  # [R] batch rows
+    layers: tuple[int, ...]  # MoE layer indices
+    routes_RTLk: torch.Tensor  # [R, T, len(layers), k]
+
+    @property
+    def nbytes(self) -> int:
+        return self.routes_RTLk.numel() * self.routes_RTLk.element_size()
+
+    def expand(self, B: int, num_layers: int) -> torch.Tensor:
+        """As the batch's routes [B, T, L, k]: -1 for other ranks' samples and other stages' layers."""
+        R, T, _, k = self.routes_RTLk.shape
+        out = torch.full((B, T, num_layers, k), -1, dtype=ROUTE_DTYPE)
+        if R and self.layers:
+            out[self.rows[:, None], :, torch.tensor(self.layers)] = self.routes_RTLk.transpose(1, 2)
+        return out
+
+
+def route_share(routes_BTLk: torch.Tensor, rows: Sequence[int], layers: Sequence[int]) -> RouteShare:
+    idx = torch.tensor(sorted(rows), dtype=torch.long)
+    return RouteShare(idx, tuple(layers), routes_BTLk[idx][:, :, list(layers)].contiguous())

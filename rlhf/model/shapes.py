@@ -96,3 +96,10 @@ def count_active_params(cfg: ModelConfig) -> int:
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_layers
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     return total - moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
+
+
+def route_bytes_per_step(moe_layers: int, top_k: int, samples: int, tokens_per_sample: int) -> int:
+    """Routing replay: the routes of one step at most, as the trainer receives them (int16 ids,
+    `rlhf.model.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
+    The engines return them at one byte per id up to 256 experts, half of this."""
+    return samples * tokens_per_sample * moe_layers * top_k * 2

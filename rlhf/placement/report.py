@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from rlhf.layout import InferenceLayout, Layout
+from rlhf.model.shapes import route_bytes_per_step
 from rlhf.placement.device_map import DeviceMap, device_map
 from rlhf.placement.devices import abbreviate, format_devices
 from rlhf.placement.memory import GIB, memory_estimate, memory_notes
@@ -91,6 +92,15 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
                  f"loop: StaleSync, the engines generate ahead of the trainer, samples at most {st.max_staleness} "
                  f"version(s) stale, partial rollouts {'on' if st.partial_rollout else 'off'} (docs/stale_sync.md)")
 
+    routes = None
+    if cfg.captures_routes:
+        m = cfg.model
+        routes = route_bytes_per_step(m.num_hidden_layers - m.first_k_dense_layers, m.num_experts_per_tok,
+                                      cfg.data.prompts_per_step * cfg.algorithm.group_size,
+                                      cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        lines.append(f"routes: the engines' expert choices, up to {_bytes(routes)} per step to the trainer "
+                     f"(trainer.routing_replay={cfg.trainer.routing_replay.value}; docs/routing_replay.md)")
+
     used = dm.used_devices()
     label = lambda d: " | ".join(_label(cfg, lay, il, role, rank) for role, rank in dm.residents(d))  # noqa: E731
     if len(used) <= detail_up_to:
@@ -140,7 +150,7 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
               "memory_max_bytes": max(totals), "memory_max_peak_bytes": max(peaks),
               "bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
               "bytes_same_device": same_device, "bytes_cross_node": cross_node, "floor_seconds": summary["floor_seconds"],
-              "plan_seconds": round(plan_seconds, 3)}
+              "plan_seconds": round(plan_seconds, 3), "route_bytes_per_step": routes}
     return lines, result
 
 

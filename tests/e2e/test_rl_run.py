@@ -26,7 +26,8 @@ def short_run(tiny, ray_session, tmp_path_factory):
     d, _ = tiny
     out = tmp_path_factory.mktemp("run")
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
-        d, out, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001"))
+        d, out, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
+        "rollout.capture_routes=true"))
     return out, train(cfg)
 
 
@@ -41,6 +42,8 @@ def test_reward_rises_and_every_sync_is_exact(short_run):
     assert result["parity_max_abs_diff"] < 2e-2
     assert result["parity_p99_abs_diff_max"] < 1e-4 and result["parity_violations"] == 0  # judged on the p99
     assert len(result["heldout_accuracy_history"]) == 3  # start, step 8, step 16
+    # the engine's captured expert choices are the trainer's own but at rare near-ties (fp32 both sides)
+    assert result["route_mismatch_mean"] is not None and result["route_mismatch_mean"] < 1e-2
     # each engine rank received exactly the bytes its own shards hold, every step
     assert result["sync_bytes_per_engine_rank"] == result["sync_bytes_minimal_per_engine_rank"]
     assert 0 < result["sync_share"] < 1 and result["sync_link_gb_per_s"] > 0
@@ -51,9 +54,10 @@ def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_pa
     d, _ = tiny
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, "steps=3", "eval_every=100", "rollout.num_engines=1", "rollout.tp=2",
-        "checkpoint.export_hf=false"))
+        "checkpoint.export_hf=false", "rollout.capture_routes=true"))
     result = train(cfg)
     assert result["syncs"] == 3
+    assert result["route_mismatch_mean"] < 1e-2  # routes captured in a TP-2 engine (its rank 0 worker)
     per_rank, minimal = result["sync_bytes_per_engine_rank"], result["sync_bytes_minimal_per_engine_rank"]
     assert per_rank == minimal and len(per_rank) == 2
     assert max(per_rank) < result["sync_bytes_per_step"]  # no worker receives the whole model
@@ -82,3 +86,20 @@ def test_resume_continues_from_the_last_checkpoint(short_run, tiny):
     # the resumed engines serve the checkpoint's weights: held-out accuracy at the resume point is the
     # accuracy the first run measured at its last step
     assert result["heldout_accuracy_start"] == first["heldout_accuracy_end"]
+
+
+def test_rollout_routing_replay_with_bf16_engines(tiny, ray_session, tmp_path):
+    """R3 in the loop: bf16 engines (as on GPUs and NPUs), fp32 trainer, the engines' routes replayed in every
+    trainer forward; the route metrics are logged every step."""
+    d, _ = tiny
+    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
+        d, tmp_path, "steps=2", "eval_every=100", "checkpoint.export_hf=false", "rollout.dtype=bfloat16",
+        "trainer.routing_replay=rollout"))
+    result = train(cfg)
+    assert result["steps_run"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert m["route/token_layers"] > 0 and 0 <= m["route/mismatch"] <= m["route/tokens_any_mismatch"] <= 1
+        # each trainer rank gets the routes of its DP index's samples only (dp2 x ep2, one stage)
+        assert 0 < m["route/bytes_per_rank_max"] < m["route/bytes_sent"]
+        assert m["parity/p99_abs_diff"] < 0.5  # bf16 rounding, not a broken sync

@@ -42,3 +42,27 @@ def test_logprobs_score_the_tempered_distribution_the_rollout_sampled_from():
     assert torch.allclose(logp, ref.gather(-1, ids[:, 1:, None]).squeeze(-1))
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1))
     assert torch.equal(token_logprobs(logits, ids)[0], token_logprobs(logits, ids, 1.0)[0])
+
+
+def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
+    import numpy as np
+
+    from rlhf.model.routing import route_share
+
+    prompts = [[1] * (2 + i % 3) for i in range(10)]
+    responses = [[4] * (1 + i % 4) for i in range(10)]
+    # the engine routes every token it fed: the prompt and the response but its last token; 3 layers, top-2
+    routes = [np.full((len(p) + len(r) - 1, 3, 2), i, dtype=np.uint8) for i, (p, r) in enumerate(zip(prompts, responses))]
+    b = TokenBatch.from_samples(prompts, responses, routes=routes)
+    assert b.routes_BTLk.dtype == torch.int16 and b.routes_BTLk.shape == (10, b.input_ids_BT.shape[1], 3, 2)
+    for i, L in enumerate(b.lengths):
+        assert (b.routes_BTLk[i, :L - 1] == i).all() and (b.routes_BTLk[i, L - 1:] == -1).all()
+    calls = [range(10), [3, 1, 7, 0, 9], [2, 4, 5, 6, 8]]  # old logprobs over all, then two mini-batches
+    shares = [b.dp_rows(calls, 2, d, max_tokens=12) for d in range(2)]
+    for d, rows in enumerate(shares):  # exactly the rows the rank's micro-batches take
+        want = {r for c in calls for mb in b.micro_batches(c, 2, d, 12) for r in mb.extras["rows"].tolist()}
+        assert rows == sorted(want)
+        share = route_share(b.routes_BTLk, rows, [2])  # a stage holding MoE layer 2 only
+        full = share.expand(len(b), 3)
+        assert torch.equal(full[rows][:, :, 2], b.routes_BTLk[rows][:, :, 2])
+        assert (full[:, :, :2] == -1).all() and share.nbytes < b.routes_BTLk.numel() * 2 / 2

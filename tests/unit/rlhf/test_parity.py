@@ -32,3 +32,11 @@ def test_a_stale_weight_moves_most_tokens_and_is_judged():
     engine = trainer + 0.05 * torch.randn(64, 128, generator=g, dtype=torch.float64)
     problem = parity_problem(logprob_parity(trainer, engine, torch.ones(64, 128)), 1e-3)
     assert problem and "p99" in problem and "rollout.parity_p99_max=0.001" in problem
+
+
+def test_the_limit_follows_the_engine_dtype_unless_set():
+    from rlhf.schema import DType, RolloutConfig
+
+    assert RolloutConfig().parity_limit == 1e-3  # fp32 engines: healthy p99 ~1e-5
+    assert RolloutConfig(dtype=DType.bfloat16).parity_limit == 0.25  # bf16 rounding alone: 0.08-0.12 (tiny job)
+    assert RolloutConfig(dtype=DType.bfloat16, parity_p99_max=0.05).parity_limit == 0.05

@@ -60,3 +60,16 @@ def test_plan_shows_which_transfers_cross_nodes():
     # one node: nothing crosses
     _, one = plan_report(load_run_config(ROOT / "configs" / "tiny_cpu_disaggregated.yaml"))
     assert one["bytes_cross_node"] == 0
+
+
+def test_plan_counts_the_routes_replay_sends():
+    """Pangu Ultra MoE (58 MoE layers, top-8) with rollout routing replay: 6144 samples of up to 64 + 8192
+    tokens, 2 bytes per id; without capture no route line and no bytes."""
+    cfg = load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml", ["trainer.routing_replay=rollout"])
+    lines, summary = plan_report(cfg, device_map(cfg))
+    m = cfg.model
+    tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    want = cfg.data.prompts_per_step * cfg.algorithm.group_size * tokens * (m.num_hidden_layers - m.first_k_dense_layers) * 8 * 2
+    assert summary["route_bytes_per_step"] == want and any(line.startswith("routes:") for line in lines)
+    _, off = plan_report(load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml"))
+    assert off["route_bytes_per_step"] is None
