@@ -69,7 +69,8 @@ def test_plan_counts_the_routes_replay_sends():
     lines, summary = plan_report(cfg, device_map(cfg))
     m = cfg.model
     tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    want = cfg.data.prompts_per_step * cfg.algorithm.group_size * tokens * (m.num_hidden_layers - m.first_k_dense_layers) * 8 * 2
+    samples = cfg.data.prompts_per_step * cfg.algorithm.group_size
+    want = samples * tokens * (m.num_hidden_layers - m.first_k_dense_layers) * 8 * 2
     assert summary["route_bytes_per_step"] == want and any(line.startswith("routes:") for line in lines)
     _, off = plan_report(load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml"))
     assert off["route_bytes_per_step"] is None
