@@ -21,7 +21,7 @@ class LogprobsReply:
     start: float
     seconds: float
     # with engine routes in the batch: per token [rows, T], how many MoE layers chose another top-k set than
-    # the engine (the first forward of the step, rlhf.model.routing.RouteStats)
+    # the engine (the first forward of the step, rlhf.routing.RouteStats)
     route_differs: Optional[torch.Tensor] = None
 
 

@@ -21,7 +21,7 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
-from rlhf.model.routing import RouteShare
+from rlhf.routing import RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer

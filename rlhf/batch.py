@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlhf.balance import balance
-from rlhf.model.routing import ROUTE_DTYPE, Routing
+from rlhf.routing import ROUTE_DTYPE, Routing
 
 PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
 

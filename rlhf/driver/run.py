@@ -29,7 +29,7 @@ from rlhf.driver.metrics import progress_fields, step_metrics
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
-from rlhf.model.routing import route_share
+from rlhf.routing import route_share
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout

@@ -17,7 +17,7 @@ from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
 from rlhf.batch import TokenBatch
 from rlhf.driver.rollout import Rollout
 from rlhf.driver.run import Run
-from rlhf.model.routing import RouteStats
+from rlhf.routing import RouteStats
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ its experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, the
 
 Each forward records, per MoE layer, how many (valid) tokens were routed to each expert
 (`router_stats()`), for expert-load metrics, expert placement and the simulator. A `Routing`
-(`rlhf.model.routing`) given to the forward forces, records or compares each layer's expert choice
+(`rlhf.routing`) given to the forward forces, records or compares each layer's expert choice
 (routing replay).
 
 Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim, E experts, k top-k,
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.routing import Routing, observe, route
+from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig
 
 
@@ -100,7 +100,7 @@ class Router(nn.Module):
 
     def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
         """(weights [S, k], experts [S, k], the live top-k [S, k]); rows of `forced_Sk` other than -1 use
-        those experts, weighted by the live probabilities (`rlhf.model.routing.route`)."""
+        those experts, weighted by the live probabilities (`rlhf.routing.route`)."""
         logits_SE = F.linear(x_SH, self.weight)
         probs_SE = torch.softmax(logits_SE, dim=-1, dtype=torch.float)
         weights_Sk, experts_Sk, live_Sk = route(probs_SE, self.top_k, forced_Sk)

@@ -100,6 +100,6 @@ def count_active_params(cfg: ModelConfig) -> int:
 
 def route_bytes_per_step(moe_layers: int, top_k: int, samples: int, tokens_per_sample: int) -> int:
     """Routing replay: the routes of one step at most, as the trainer receives them (int16 ids,
-    `rlhf.model.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
+    `rlhf.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
     The engines return them at one byte per id up to 256 experts, half of this."""
     return samples * tokens_per_sample * moe_layers * top_k * 2

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
-from rlhf.model.routing import Routing, observe
+from rlhf.routing import Routing, observe
 from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, split_of
 from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_rows, gather_from_group, reduce_from_group, split_to_group
 from rlhf.parallel.dispatch import Dispatcher

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlhf.batch import MicroBatch
-from rlhf.model.routing import ROUTE_DTYPE, Routing
+from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -111,7 +111,7 @@ class ParallelTrainer:
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
         return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
 
-    # --- routing replay (rlhf.model.routing) ---
+    # --- routing replay (rlhf.routing) ---
     def _routed(self, micro_batches: Sequence[MicroBatch], first: bool) -> list[MicroBatch]:
         """The micro-batches with the routing their forwards use: the routes to force (the engine's, R3, or
         those this rank recorded in the step's old-logprob forward, R2) and, in the step's first forward

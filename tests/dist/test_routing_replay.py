@@ -9,7 +9,7 @@ from rlhf.batch import MicroBatch
 from rlhf.layout import Layout
 from rlhf.model.hf_io import load_pretrained, save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.routing import Routing
+from rlhf.routing import Routing
 from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
 from rlhf.schema import RoutingReplay, TrainerConfig

@@ -11,7 +11,7 @@ from rlhf.config import load_model_config
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.routing import Routing
+from rlhf.routing import Routing
 from rlhf.schema import RolloutConfig
 
 pytestmark = pytest.mark.vllm

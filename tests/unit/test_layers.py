@@ -5,7 +5,7 @@ import cannot hide an edge; every module is also imported for real, so a broken 
 
     pure, starts nothing   schema, errors, config, layout, model shapes and sharding declarations,
                            placement, resharding specs and plans, batch balancing: no torch at all
-    pure                   + algorithms, data, batch, parity: torch allowed, never torch.distributed,
+    pure                   + algorithms, data, batch, parity, routing: torch allowed, never torch.distributed,
                            ray or vllm
     torch side             model, parallel trainer, weight_sync executors: never ray or vllm, and
                            the two never import each other's torch code (specs and plans are shared)
@@ -28,7 +28,7 @@ MAX_LINES = 500
 NO_TORCH = ("rlhf.schema", "rlhf.errors", "rlhf.config", "rlhf.layout", "rlhf.model.shapes",
             "rlhf.model.sharding", "rlhf.model.engine_sharding", "rlhf.placement", "rlhf.balance",
             "rlhf.sim", "weight_sync.spec", "weight_sync.plan")
-PURE = NO_TORCH + ("rlhf.algorithms", "rlhf.data", "rlhf.batch", "rlhf.parity")
+PURE = NO_TORCH + ("rlhf.algorithms", "rlhf.data", "rlhf.batch", "rlhf.parity", "rlhf.routing")
 TOP = ("rlhf.driver", "rlhf.cli")  # may import actors
 ROLE_LAYER = ("actors",) + TOP  # may import ray and vllm
 TORCH_SIDES = (("rlhf.model", "rlhf.parallel"), ("weight_sync",))  # neither imports the other's torch code
