@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -70,12 +72,13 @@ def _load(schema_cls: type[T], path: Path, overrides: Sequence[str]) -> T:
             )
         sub_path = (path.parent / str(rel)).resolve()
         sub = _read_yaml(sub_path)
-        merged = _merge(merged, {section: sub}, source=str(sub_path))
-    merged = _merge(merged, raw, source=str(path))
+        merged = _merge(merged, _enum_words(schema_cls, {section: sub}), source=str(sub_path))
+    merged = _merge(merged, _enum_words(schema_cls, raw), source=str(path))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: write overrides as key=value, for example trainer.tp=2")
-        merged = _merge(merged, OmegaConf.from_dotlist([item]), source=f"override {item!r}")
+        update = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        merged = _merge(merged, _enum_words(schema_cls, update), source=f"override {item!r}")
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # a required value left missing
@@ -84,8 +87,6 @@ def _load(schema_cls: type[T], path: Path, overrides: Sequence[str]) -> T:
 
 def as_dict(cfg) -> Any:
     """A config as plain YAML/JSON values (enums by value, tuples as lists): for printing and tracking."""
-    from enum import Enum
-
     if dataclasses.is_dataclass(cfg):
         return {f.name: as_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Enum):
@@ -98,6 +99,24 @@ def as_dict(cfg) -> Any:
 def _is_section(schema_cls: type, name: str) -> bool:
     f = next(f for f in dataclasses.fields(schema_cls) if f.name == name)
     return dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False
+
+
+def _enum_words(schema_cls: type, data: Any) -> Any:
+    """YAML 1.1 reads `off` / `on` (also `no`, `yes`) as booleans; where the schema expects an enum with an
+    `off` or `on` member (`trainer.routing_replay: off`), the word was meant. Returns `data` mended."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(schema_cls):
+        return data
+    hints = typing.get_type_hints(schema_cls)
+    out = {}
+    for key, value in data.items():
+        kind = hints.get(key) if isinstance(key, str) else None
+        if isinstance(kind, type) and issubclass(kind, Enum) and isinstance(value, bool):
+            word = "on" if value else "off"
+            value = word if word in kind.__members__ else value
+        elif dataclasses.is_dataclass(kind):
+            value = _enum_words(kind, value)
+        out[key] = value
+    return out
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

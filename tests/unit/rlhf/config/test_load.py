@@ -121,3 +121,16 @@ def test_missing_defaults_file_and_bad_override(tmp_path):
     assert "key=value" in msg
     msg = _error(tmp_path, "defaults:\n  modle: m.yaml\n")
     assert "modle" in msg and "model" in msg
+
+
+def test_off_is_a_word_where_the_schema_expects_one(tmp_path):
+    """YAML reads `off` as false; `trainer.routing_replay: off` (file or override) still means the word."""
+    from rlhf.schema import RoutingReplay
+
+    (tmp_path / "run.yaml").write_text("trainer:\n  routing_replay: off\n")
+    assert load_run_config(tmp_path / "run.yaml").trainer.routing_replay is RoutingReplay.off
+    cfg = load_run_config(tmp_path / "run.yaml", ["trainer.routing_replay=rollout"])
+    assert cfg.trainer.routing_replay is RoutingReplay.rollout
+    assert load_run_config(tmp_path / "run.yaml", ["trainer.routing_replay=off"]).trainer.routing_replay is RoutingReplay.off
+    with pytest.raises(ConfigError, match="rollout.dtype: Invalid value 'False'"):  # no `off` member: still an error
+        load_run_config(tmp_path / "run.yaml", ["rollout.dtype=off"])
