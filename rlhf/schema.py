@@ -173,8 +173,8 @@ class RolloutConfig:
     # Trainer/engine logprob parity: a step whose 99th percentile of |trainer - engine| logprob difference
     # over the sampled tokens exceeds this is reported (a stale or mis-installed weight moves most tokens and
     # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`). 0: by the
-    # engine's dtype (`parity_limit`): 1e-3 for fp32 engines (healthy runs show ~1e-5), 0.25 for bf16 / fp16
-    # ones, whose rounding alone puts it at 0.08-0.12 on the tiny job (docs/routing_replay.md).
+    # engine's dtype (`parity_limit`): 1e-3 for fp32 engines (healthy runs show ~1e-5), 0.5 for bf16 / fp16
+    # ones, whose rounding alone puts it at 0.08-0.44 on the tiny job (docs/routing_replay.md).
     parity_p99_max: float = 0.0
     # Record, for every token the engine ran and every MoE layer, the top-k experts it chose
     # (docs/routing_replay.md): the trainer then reports how often its own choice differs (route/* metrics)
@@ -186,7 +186,7 @@ class RolloutConfig:
     def parity_limit(self) -> float:
         if self.parity_p99_max > 0:
             return self.parity_p99_max
-        return 1e-3 if self.dtype is DType.float32 else 0.25
+        return 1e-3 if self.dtype is DType.float32 else 0.5
 
 
 class RoutingReplay(Enum):

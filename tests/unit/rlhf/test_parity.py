@@ -38,5 +38,5 @@ def test_the_limit_follows_the_engine_dtype_unless_set():
     from rlhf.schema import DType, RolloutConfig
 
     assert RolloutConfig().parity_limit == 1e-3  # fp32 engines: healthy p99 ~1e-5
-    assert RolloutConfig(dtype=DType.bfloat16).parity_limit == 0.25  # bf16 rounding alone: 0.08-0.12 (tiny job)
+    assert RolloutConfig(dtype=DType.bfloat16).parity_limit == 0.5  # bf16 rounding alone: 0.08-0.44 (tiny job)
     assert RolloutConfig(dtype=DType.bfloat16, parity_p99_max=0.05).parity_limit == 0.05
