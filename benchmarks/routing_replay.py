@@ -2,6 +2,7 @@
 apart their logprobs are with and without replaying the engine's routes, what the routes weigh and cost.
 
     .venv/bin/python -m benchmarks.routing_replay [--prompts 16 --n 4 --tokens 32 --rounds 3]
+    .venv/bin/python -m benchmarks.routing_replay --policy out/tiny --prompts 32 --n 16 --tokens 6 --rounds 1
 
 The small MoE (configs/model/qwen3_moe_small.yaml: 140 M parameters, 32 experts top-4) on random weights
 (our own code), a vLLM engine in bf16 capturing its routes, the trainer's model in fp32 in this process.
@@ -9,7 +10,8 @@ Each round: generate (capture off, then on), then one trainer forward + backward
 and with the engine's routes forced (the first forward also compares the live choice, as the trainer's
 does). The extra step time of replay is (capture-on generation + replayed training) over (capture-off
 generation + plain training) - 1, median over rounds. Parity: |trainer - engine| logprob over response
-tokens. Ends with one JSON line.
+tokens. Also `affected_mean_off` / `affected_mean_replay`: the same over the response tokens after a
+mismatched route in their sample (where replay can change anything). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype (the trainer is fp32)")
     ap.add_argument("--model", default="configs/model/qwen3_moe_small.yaml")
+    ap.add_argument("--policy", default=None,
+                    help="a policy directory instead (e.g. out/tiny from `rlhf make-tiny`): its weights, and its "
+                         "train.jsonl prompts in order; samples stop at EOS")
     args = ap.parse_args(argv)
 
     import torch
@@ -54,12 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.routing import RouteStats, Routing
     from rlhf.schema import DType, RolloutConfig
 
-    cfg = load_model_config(args.model, ["max_position_embeddings=256"])
-    model = Qwen3MoeForCausalLM(cfg)
-    model.init_weights(args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(16, 49, (args.prompts,), generator=g).tolist()
-    prompts = [[1] + torch.randint(3, cfg.vocab_size, (n - 1,), generator=g).tolist() for n in lengths]
+    if args.policy:
+        from rlhf.data.tokenizer import load_tokenizer
+        from rlhf.model.hf_io import load_pretrained
+
+        model = load_pretrained(args.policy)
+        cfg, tok = model.config, load_tokenizer(args.policy)
+        with open(os.path.join(args.policy, "train.jsonl")) as f:
+            prompts = [tok.encode(json.loads(line)["prompt"]).ids for line, _ in zip(f, range(args.prompts))]
+    else:
+        cfg = load_model_config(args.model, ["max_position_embeddings=256"])
+        model = Qwen3MoeForCausalLM(cfg)
+        model.init_weights(args.seed)
+        g = torch.Generator().manual_seed(args.seed)
+        lengths = torch.randint(16, 49, (args.prompts,), generator=g).tolist()
+        prompts = [[1] + torch.randint(3, cfg.vocab_size, (n - 1,), generator=g).tolist() for n in lengths]
+    max_len = min(256, cfg.max_position_embeddings)
 
     def forward(batch, routing=None):
         return token_logprobs(model(batch.input_ids_BT, batch.attention_mask_BT, routing=routing),
@@ -72,16 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         (-(logp * m).sum() / m.sum()).backward()
 
     rounds = []
-    with tempfile.TemporaryDirectory() as d:
-        save_tokenizer(build_tokenizer(cfg.vocab_size), d)
-        save_pretrained(model, d)
-        engine = VLLMEngine(d, RolloutConfig(dtype=DType(args.dtype), max_new_tokens=args.tokens), max_model_len=256,
-                            capture_routes=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.policy or tmp
+        if not args.policy:
+            save_tokenizer(build_tokenizer(cfg.vocab_size), d)
+            save_pretrained(model, d)
+        engine = VLLMEngine(d, RolloutConfig(dtype=DType(args.dtype), max_new_tokens=args.tokens),
+                            max_model_len=max_len, capture_routes=True)
         try:
             def generate(capture: bool, seed: int):
                 engine.llm.collective_rpc("rlhf_set_route_capture", args=(capture,))
                 engine.capture_routes = capture
-                return engine.generate(prompts, n=args.n, seed=seed, ignore_eos=True)
+                return engine.generate(prompts, n=args.n, seed=seed, ignore_eos=not args.policy)
 
             def as_batch(outs):
                 return TokenBatch.from_samples([prompts[c.prompt_index] for c in outs], [c.token_ids for c in outs],
@@ -112,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     stats = RouteStats.of(live.differ_count_BT(B, T), batch.routes_BTLk)
     per_layer = [round(float(live.differs[i].sum()) / max(int((batch.routes_BTLk[:, :, i, 0] >= 0).sum()), 1), 5)
                  for i in sorted(live.differs)]
+    mask = batch.mask_BT.bool()
+    affected = mask & ((live.differ_count_BT(B, T)[:, :-1] > 0).cumsum(1) > 0)
+    gap = lambda lp: float((lp - batch.rollout_logp_BT).abs()[affected].mean()) if affected.any() else 0.0  # noqa: E731
     off = logprob_parity(lp_off, batch.rollout_logp_BT, batch.mask_BT)
     on = logprob_parity(lp_on, batch.rollout_logp_BT, batch.mask_BT)
     share = lambda on_s, off_s: statistics.median(a / b - 1 for a, b in zip(on_s, off_s))  # noqa: E731
     step_on = [x["gen_on"] + x["train_on"] for x in rounds]
     step_off = [x["gen_off"] + x["train_off"] for x in rounds]
     result = {
-        "model": cfg.name, "engine_dtype": args.dtype, "samples": B, "new_tokens": args.tokens,
+        "model": args.policy or cfg.name, "engine_dtype": args.dtype, "samples": B, "new_tokens": args.tokens,
         "route_mismatch_off": round(stats.mismatch, 5), "tokens_any_mismatch_off": round(stats.tokens_any_mismatch, 5),
         "route_mismatch_per_layer": per_layer,
         "parity_mean_off": off.mean_abs_diff, "parity_p99_off": off.p99_abs_diff, "parity_max_off": off.max_abs_diff,
@@ -126,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_reduction": round(off.mean_abs_diff / max(on.mean_abs_diff, 1e-12), 3),
         "p99_reduction": round(off.p99_abs_diff / max(on.p99_abs_diff, 1e-12), 3),
         "max_reduction": round(off.max_abs_diff / max(on.max_abs_diff, 1e-12), 3),
+        "affected_tokens": int(affected.sum()), "affected_mean_off": gap(lp_off), "affected_mean_replay": gap(lp_on),
         "route_bytes_per_step": sum(c.routes.nbytes for c in outs),
         "route_bytes_trainer": batch.routes_BTLk.numel() * batch.routes_BTLk.element_size(),
         "replay_overhead_share": round(share(step_on, step_off), 4),
