@@ -95,9 +95,10 @@ LAYOUTS = {
     "pp2xdp2": (Layout(pp=2, dp=2), {}),
     "ep2_recompute": (Layout(dp=2, ep=2), {"tcfg": {"recompute": ("attention", "experts", "norms")}}),
     "pp2xtp2": (Layout(pp=2, tp=2), {}),
+    "ep4_hierarchical": (Layout(dp=4, ep=4), {"ranks_per_node": 2, "hierarchical_ep": True}),
 }
-CASES = [("rollout", "tp2xep2"), ("rollout", "pp2xdp2"), ("rollout", "ep2_recompute"), ("old", "pp2xtp2"),
-         ("old", "tp2xep2")]
+CASES = [("rollout", "tp2xep2"), ("rollout", "pp2xdp2"), ("rollout", "ep2_recompute"), ("rollout", "ep4_hierarchical"),
+         ("old", "pp2xtp2"), ("old", "tp2xep2")]
 
 
 @pytest.fixture(scope="module")
