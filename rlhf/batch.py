@@ -115,9 +115,7 @@ class TokenBatch:
 
 
 def _pad_routes(routes: Sequence, T: int) -> torch.Tensor:
-    first = torch.as_tensor(routes[0])
-    out = torch.full((len(routes), T, *first.shape[1:]), -1, dtype=ROUTE_DTYPE)
-    for i, r in enumerate(routes):
-        r = torch.as_tensor(r)
-        out[i, :r.shape[0]] = r.to(ROUTE_DTYPE)
+    out = torch.full((len(routes), T, *tuple(routes[0].shape)[1:]), -1, dtype=ROUTE_DTYPE)
+    for i, r in enumerate(routes):  # a copy: arrays from Ray's object store are read-only
+        out[i, :r.shape[0]] = torch.tensor(r).to(ROUTE_DTYPE)
     return out

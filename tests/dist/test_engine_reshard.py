@@ -32,6 +32,7 @@ pytestmark = pytest.mark.vllm
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
 SEEDS = (2, 3, 2)  # the weights of each successful sync (the last one goes back to the first)
 SYNCS = ((SEEDS[0], None), (4, "flip"), (5, "nan"), (SEEDS[1], None), (SEEDS[2], None))  # (weights, fault)
+PROMPTS = [[1, 5, 9, 13], [1, 7, 7, 21, 30, 2, 11, 8, 19]]
 
 
 def _model(seed):
@@ -62,7 +63,9 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir):
         return {"sent": sent}
     from actors.vllm_engine import VLLMEngine, WeightUpdateRejected
 
-    engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64)
+    # the EP engine also records its expert choices (routing replay): logical ids from every EP worker's router
+    engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64,
+                        capture_routes=engines.ep > 1)
     try:
         ranks = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
         seqs = _seqs(cfg)
@@ -74,6 +77,8 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir):
                 out["rejected"].append(str(e))
             out["logp"].append(torch.tensor(engine.sequence_logprobs(seqs.tolist())))
         out["version"] = engine.weight_version
+        if engines.ep > 1:
+            out["generated"] = engine.generate(PROMPTS, n=2, seed=0, max_tokens=6)
     finally:
         engine.close()
     if fresh_dir:  # a freshly started engine on the first sync's weights, for comparison
@@ -118,6 +123,10 @@ def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, 
     assert (lp_a - ours[SEEDS[0]]).abs().max() <= 1e-5
     assert (lp_b - ours[SEEDS[1]]).abs().max() <= 1e-5
     assert torch.equal(lp_a_again, lp_a)  # back to the first weights: bit for bit the same engine outputs
+    if engines.ep > 1:  # the EP engine's captured routes are the trainer's own top-k but at near-ties
+        from tests.e2e.test_route_capture import check_routes
+
+        check_routes(_model(SEEDS[2]), PROMPTS, engine["generated"])
     if fresh:  # as a freshly started engine on the same weights
         assert (lp_a - engine["fresh"]).abs().max() <= 1e-6
 

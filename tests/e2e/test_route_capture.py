@@ -56,7 +56,7 @@ def _trainer_routes(model, seq):
     return r.chosen_BTLk(1, len(seq), L, k)[0], clear
 
 
-def _check(model, prompts, completions):
+def check_routes(model, prompts, completions):
     compared = agree = 0
     for c in completions:
         seq = list(prompts[c.prompt_index]) + list(c.token_ids)
@@ -75,11 +75,11 @@ def test_captured_routes_are_the_engines_choices_and_follow_updates(engine):
     m1 = _model(1)
     outs = engine.generate(prompts, n=3, seed=0)
     assert len(outs) == 9 and outs[0].routes.dtype.name == "uint8"
-    _check(m1, prompts, outs)
+    check_routes(m1, prompts, outs)
 
     m2 = _model(2)
     engine.update_weights([(n, t.clone()) for n, t in to_hf_tensors(m2.state_dict(), m2.config)], version=1)
     outs = engine.generate(prompts, n=2, seed=1)
-    _check(m2, prompts, outs)
+    check_routes(m2, prompts, outs)
     with pytest.raises(AssertionError):
-        _check(m1, prompts, outs)  # the old weights' routes are not the engine's any more
+        check_routes(m1, prompts, outs)  # the old weights' routes are not the engine's any more
