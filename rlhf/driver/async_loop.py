@@ -25,11 +25,13 @@ batches and saves the queue beside the data cursor: a resumed run trains on ever
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable
 
+import numpy as np
 import torch
 
 from actors.dist_queue import DistQueue
@@ -161,11 +163,24 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
         comps = ro.completions[i * G:(i + 1) * G]
         payload = {"row": [row.prompt, row.answer, row.source], "prompt_ids": list(ro.prompt_ids[i]),
                    "completions": [[list(c.token_ids), list(c.logp), c.finish_reason, c.weight_version,
-                                    list(c.token_versions)] for c in comps],
+                                    list(c.token_versions), _routes_json(c.routes)] for c in comps],
                    "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
                    "batch_stats": stats if i == 0 else None}
         out.append(QueuedGroup(first_seq + i, batch, min(c.weight_version for c in comps), payload))
     return out
+
+
+def _routes_json(routes) -> dict | None:
+    """A completion's routes (routing replay) as JSON: the queue's contents go into checkpoints."""
+    if routes is None:
+        return None
+    return {"dtype": routes.dtype.str, "shape": list(routes.shape), "base64": base64.b64encode(routes.tobytes()).decode()}
+
+
+def _routes_array(d: dict | None):
+    if d is None:
+        return None
+    return np.frombuffer(base64.b64decode(d["base64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
 
 
 def to_rollout(groups: list[QueuedGroup]) -> Rollout:
@@ -176,8 +191,9 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
         d = g.payload
         rows.append(PromptRow(*d["row"]))
         prompt_ids.append(d["prompt_ids"])
-        comps += [Completion(p, tuple(ids), tuple(logp), reason, version, tuple(versions))
-                  for ids, logp, reason, version, versions in d["completions"]]
+        comps += [Completion(p, tuple(ids), tuple(logp), reason, version, tuple(versions),
+                             _routes_array(routes[0] if routes else None))  # none in checkpoints before routes
+                  for ids, logp, reason, version, versions, *routes in d["completions"]]
         if d["batch_stats"]:
             s = d["batch_stats"]
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]

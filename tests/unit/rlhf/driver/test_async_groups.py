@@ -39,3 +39,21 @@ def test_a_batch_split_over_two_steps_counts_its_statistics_once():
     first, second = to_rollout(groups[:2]), to_rollout(groups[2:])
     assert first.generated_tokens + second.generated_tokens == 12
     assert first.groups_drawn + second.groups_drawn == 5
+
+
+def test_routes_round_trip_and_older_checkpoints_still_load():
+    """Routing replay: each sample's engine routes travel with it through the queue and a checkpoint; a
+    queue saved before routes existed (five fields per sample) loads with none."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    ro = _rollout()
+    routes = [np.arange(3 * 2 * 4, dtype=np.uint8).reshape(3, 2, 4) + i for i in range(len(ro.completions))]
+    ro = replace(ro, completions=[replace(c, routes=r) for c, r in zip(ro.completions, routes)])
+    groups = [QueuedGroup.from_json(json.loads(json.dumps(g.to_json()))) for g in to_groups(ro, batch=4, first_seq=0)]
+    back = to_rollout(groups)
+    assert all(c.routes.dtype == np.uint8 and np.array_equal(c.routes, r) for c, r in zip(back.completions, routes))
+    for g in groups:
+        g.payload["completions"] = [c[:5] for c in g.payload["completions"]]
+    assert all(c.routes is None for c in to_rollout(groups).completions)
