@@ -69,11 +69,9 @@ class PolicyWorker:
             return None
         return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0, self.trainer.route_differs)
 
-    def _with_routes(self, batch: TokenBatch, routes: RouteShare | None) -> TokenBatch:
-        if routes is None:
-            return batch
-        m = self.model_cfg
-        return batch.with_(routes_BTLk=routes.expand(len(batch), m.num_hidden_layers - m.first_k_dense_layers))
+    @staticmethod
+    def _with_routes(batch: TokenBatch, routes: RouteShare | None) -> TokenBatch:
+        return batch if routes is None else batch.with_(route_share=routes)
 
     def offload(self) -> int:
         return self.trainer.offload()

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per sample (all generated: EOS ignored)")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per sample (EOS ignored, but with --policy)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype (the trainer is fp32)")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlhf.balance import balance
-from rlhf.routing import ROUTE_DTYPE, Routing
+from rlhf.routing import ROUTE_DTYPE, RouteShare, Routing
 
 PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
 
@@ -45,6 +45,8 @@ class TokenBatch:
     # The engine's top-k experts per token and MoE layer (int16, -1 where it routed nothing: padding, each
     # sequence's last token), when the rollout captured them (rollout.capture_routes)
     routes_BTLk: Optional[torch.Tensor] = None
+    # On a trainer rank, its share of them instead (sent apart from the batch: `rlhf.driver.run.Run.route_shares`)
+    route_share: Optional[RouteShare] = None
 
     @staticmethod
     def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -109,7 +111,8 @@ class TokenBatch:
                 t = getattr(self, f"{name}_BT")
                 if t is not None:
                     extras[name] = t[idx, :T - 1]
-            routes = None if self.routes_BTLk is None else self.routes_BTLk[idx, :T]
+            routes = (self.routes_BTLk[idx, :T] if self.routes_BTLk is not None
+                      else self.route_share.rows_BTLk(idx, T) if self.route_share is not None else None)
             out.append(MicroBatch(self.input_ids_BT[idx, :T], self.attention_mask_BT[idx, :T], extras, routes))
         return out
 

@@ -104,23 +104,34 @@ class RouteShare:
     """The routes one trainer rank needs, and no more: the samples its DP index trains on (`rows`) and the
     MoE layers of its pipeline stage. TP and EP ranks of one (DP index, stage) share one."""
 
-    rows: torch.Tensor  # [R] batch rows
+    rows: torch.Tensor  # [R] batch rows, ascending
     layers: tuple[int, ...]  # MoE layer indices
     routes_RTLk: torch.Tensor  # [R, T, len(layers), k]
+    num_layers: int  # MoE layers of the model
 
     @property
     def nbytes(self) -> int:
         return self.routes_RTLk.numel() * self.routes_RTLk.element_size()
 
-    def expand(self, B: int, num_layers: int) -> torch.Tensor:
-        """As the batch's routes [B, T, L, k]: -1 for other ranks' samples and other stages' layers."""
-        R, T, _, k = self.routes_RTLk.shape
-        out = torch.full((B, T, num_layers, k), -1, dtype=ROUTE_DTYPE)
-        if R and self.layers:
-            out[self.rows[:, None], :, torch.tensor(self.layers)] = self.routes_RTLk.transpose(1, 2)
+    def rows_BTLk(self, rows: torch.Tensor, T: int) -> torch.Tensor:
+        """The routes of batch rows `rows` over their first T tokens as a forward takes them [B, T, L, k]: -1
+        for samples outside the share and for other stages' layers. One micro-batch at a time, so a rank
+        never holds its share dense over every layer."""
+        R, _, _, k = self.routes_RTLk.shape
+        out = torch.full((len(rows), T, self.num_layers, k), -1, dtype=ROUTE_DTYPE)
+        if not R or not self.layers:
+            return out
+        at = torch.searchsorted(self.rows, rows).clamp(max=R - 1)
+        have = self.rows[at] == rows
+        part = self.routes_RTLk[at[have], :T]
+        out[have.nonzero().flatten()[:, None], :part.shape[1], torch.tensor(self.layers)] = part.transpose(1, 2)
         return out
+
+    def expand(self, B: int) -> torch.Tensor:
+        """As the whole batch's routes [B, T, L, k]."""
+        return self.rows_BTLk(torch.arange(B), self.routes_RTLk.shape[1])
 
 
 def route_share(routes_BTLk: torch.Tensor, rows: Sequence[int], layers: Sequence[int]) -> RouteShare:
     idx = torch.tensor(sorted(rows), dtype=torch.long)
-    return RouteShare(idx, tuple(layers), routes_BTLk[idx][:, :, list(layers)].contiguous())
+    return RouteShare(idx, tuple(layers), routes_BTLk[idx][:, :, list(layers)].contiguous(), routes_BTLk.shape[2])

@@ -52,7 +52,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
             old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(sent), routes)
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
         differs = batch_route_differs(replies)
-    ref_logp = run.reference_logprobs(batch.with_(routes_BTLk=None), step)
+    ref_logp = run.reference_logprobs(sent, step)  # without routes: the policy's are not the reference's
     rewards_PG = ro.rewards_PG
     if cfg.algorithm.kl_in_reward and ref_logp is not None:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)

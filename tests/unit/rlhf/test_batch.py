@@ -63,6 +63,12 @@ def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
         want = {r for c in calls for mb in b.micro_batches(c, 2, d, 12) for r in mb.extras["rows"].tolist()}
         assert rows == sorted(want)
         share = route_share(b.routes_BTLk, rows, [2])  # a stage holding MoE layer 2 only
-        full = share.expand(len(b), 3)
+        full = share.expand(len(b))
         assert torch.equal(full[rows][:, :, 2], b.routes_BTLk[rows][:, :, 2])
         assert (full[:, :, :2] == -1).all() and share.nbytes < b.routes_BTLk.numel() * 2 / 2
+        # a trainer rank holding only the share gets the same routes in each of its micro-batches
+        on_rank = b.with_(routes_BTLk=None, route_share=share)
+        for c in calls:
+            for dense, mine in zip(b.micro_batches(c, 2, d, 12), on_rank.micro_batches(c, 2, d, 12)):
+                assert torch.equal(mine.routes_BTLk[:, :, 2], dense.routes_BTLk[:, :, 2])
+                assert (mine.routes_BTLk[:, :, :2] == -1).all()
