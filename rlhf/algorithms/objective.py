@@ -94,10 +94,8 @@ def _aggregation(cfg: AlgorithmConfig) -> LossAggregation:
 
 
 def on_policy(cfg: AlgorithmConfig, epochs: int, mini_batches: int) -> bool:
-    """Whether the update's only forward runs the weights that sampled (one mini-batch, one epoch): then
-    no separate pass computes the old logprobs (`policy_loss` takes them from that forward), unless the
-    reward needs them before the update (`kl_in_reward`)."""
-    return epochs == 1 and mini_batches == 1 and not (cfg.kl_in_reward and cfg.kl_coef > 0)
+    """`AlgorithmConfig.on_policy`: then `policy_loss` takes the old logprobs from the update's own forward."""
+    return cfg.on_policy(epochs, mini_batches)
 
 
 def kl_reward_penalty(cfg: AlgorithmConfig, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor,

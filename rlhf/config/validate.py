@@ -12,7 +12,7 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RunConfig)
+                         RewardKind, RoutingReplay, RunConfig)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]
@@ -142,7 +142,21 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
     p += reward_problems(cfg.reward)
     p += stale_sync_problems(cfg)
+    p += routing_replay_problems(cfg)
     return p
+
+
+def routing_replay_problems(cfg: RunConfig) -> list[Problem]:
+    """R2 replays the old-logprob forward's routes in the update; an on-policy update has no such forward."""
+    t = cfg.trainer
+    samples = cfg.data.prompts_per_step * cfg.algorithm.group_size
+    mini_batches = -(-samples // max(1, min(t.mini_batch_size, samples)))
+    if t.routing_replay is RoutingReplay.old and cfg.algorithm.on_policy(t.epochs, mini_batches):
+        return [Problem("trainer.routing_replay", "old", "this update is on-policy (one mini-batch of "
+                        f"{samples} samples, one epoch): no old-logprob forward runs, so there are no routes to "
+                        "replay; use rollout (the engines' routes) or off, or split the batch "
+                        "(trainer.mini_batch_size) or add epochs")]
+    return []
 
 
 def stale_sync_problems(cfg: RunConfig) -> list[Problem]:

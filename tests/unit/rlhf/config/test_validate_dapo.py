@@ -42,3 +42,15 @@ def test_stale_sync_needs_a_behaviour_weight_and_separate_devices(tmp_path):
         _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2")  # the default placement co-locates
     cfg = _load(tmp_path, "stale_sync.max_staleness=2", "algorithm.tis_cap=2", "placement.colocate=false")
     assert cfg.stale_sync.max_staleness == 2
+
+
+def test_r2_replay_needs_an_old_logprob_forward():
+    """trainer.routing_replay=old on an on-policy update (one mini-batch, one epoch) has nothing to replay."""
+    from pathlib import Path
+
+    CONFIGS = Path(__file__).resolve().parents[4] / "configs"
+    on_policy = ["trainer.routing_replay=old", "trainer.mini_batch_size=512"]  # 32 prompts x 16 samples
+    with pytest.raises(ConfigError, match=r"trainer.routing_replay.*on-policy.*use rollout"):
+        load_run_config(CONFIGS / "tiny_cpu.yaml", on_policy)
+    load_run_config(CONFIGS / "tiny_cpu.yaml", on_policy + ["trainer.epochs=2"])
+    load_run_config(CONFIGS / "tiny_cpu.yaml", ["trainer.routing_replay=old"])  # 4 mini-batches
