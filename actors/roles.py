@@ -192,7 +192,9 @@ def connect(p, log=print) -> bool:
     # Logical CPUs: each device bundle asks for cpus_per_device; a small machine still hosts the placement
     # (processes share its cores, as co-located roles do).
     num_cpus = max(os.cpu_count() or 1, int(devices * p.cpus_per_device + 0.999))
-    ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance even where /tmp/ray/ray_current_cluster names another (left by `ray start`
+    # or ray.cluster_utils, alive or long dead); with no address Ray would join that one and refuse num_cpus.
+    ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=False)
     log(f"ray: started an embedded local instance ({num_cpus} CPUs, {resources or 'no custom resources'}); "
         f"actor logs are under /tmp/ray/session_latest/logs")
     return True

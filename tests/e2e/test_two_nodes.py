@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 CLUSTER = r"""
-import json, sys
+import json, os, sys
+import ray
 from ray.cluster_utils import Cluster
 node = dict(num_cpus=3, resources={"rlhf_device": 2})
 cluster = Cluster(initialize_head=True, head_node_args=node)
@@ -41,7 +42,12 @@ cluster.add_node(**node)
 cluster.wait_for_nodes()
 print(json.dumps({"address": cluster.address}), flush=True)
 sys.stdin.read()  # until the test closes our stdin
+gcs = cluster.head_node.gcs_address
 cluster.shutdown()
+# Cluster wrote its address to /tmp/ray/ray_current_cluster and leaves it: a later plain ray.init() on this machine
+# would try to join the dead cluster.
+if ray._private.utils.read_ray_address() == gcs:
+    os.remove(ray._private.utils.get_ray_address_file(None))
 """
 
 
