@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from actors.remote import RoleHandle, call_all, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
+from rlhf.data.sampler import prompt_seed
 from rlhf.schema import RewardKind, RoutingReplay, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
@@ -111,8 +112,10 @@ class Roles:
 
         k = len(self.engines)
         chunks = [list(range(i, len(prompts), k)) for i in range(k)]
-        calls = [(e, "generate", ([prompts[i] for i in idx],), dict(n=n, seed=seed + j, **kwargs))
-                 for j, (e, idx) in enumerate(zip(self.engines, chunks)) if idx]
+        # Seeds by the prompt's place in the whole call: the samples do not depend on the engine count.
+        calls = [(e, "generate", ([prompts[i] for i in idx],),
+                  dict(n=n, seed=[prompt_seed(seed, i) for i in idx], **kwargs))
+                 for e, idx in zip(self.engines, chunks) if idx]
         outs = call_all(calls, self.timeout_s)
         merged = [replace(c, prompt_index=idx[c.prompt_index]) for idx, out in zip(chunks, outs) for c in out]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
+from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
 if TYPE_CHECKING:
@@ -380,28 +381,36 @@ class VLLMEngine:
         temperature: float | None = None,
         top_p: float | None = None,
         max_tokens: int | None = None,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
     ) -> list[Completion]:
         """`n` completions per prompt (prompt token ids, BOS included); greedy when temperature is 0;
-        `ignore_eos`: every completion runs to max_tokens (benchmarks, tests)."""
+        `ignore_eos`: every completion runs to max_tokens (benchmarks, tests). `seed`: one per prompt, or one
+        for the call from which each prompt's own is derived (`prompt_seed`); sample k of a prompt seeded s
+        draws from s + k; None: unseeded."""
         from vllm import SamplingParams
 
+        if seed is None or isinstance(seed, int):
+            seeds = [None if seed is None else prompt_seed(seed, i) for i in range(len(prompts))]
+        elif len(seed) != len(prompts):
+            raise ValueError(f"generate: {len(seed)} seeds for {len(prompts)} prompts; give one per prompt or one int")
+        else:
+            seeds = list(seed)
         with self._generating_call():
             self._check_serving()
-            params = SamplingParams(
+            params = [SamplingParams(
                 n=n,
                 temperature=self.cfg.temperature if temperature is None else temperature,
                 top_p=self.cfg.top_p if top_p is None else top_p,
                 max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
                 stop=list(self.cfg.stop) or None,
-                seed=seed,
+                seed=s,
                 logprobs=0,  # the sampled token's own logprob
                 ignore_eos=ignore_eos,
-            )
+            ) for s in seeds]
             self._prefix_cache_current()
             if self.interruptible:
-                return self._generate_stepwise(prompts, params)
+                return self._generate_stepwise(prompts, params, n)
             from vllm.inputs import TokensPrompt
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -439,7 +448,7 @@ class VLLMEngine:
                                f"{None if r is None else r.shape[0]} tokens, it fed {fed} through the model")
         return r
 
-    def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params) -> list[Completion]:
+    def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs:
         the tokens of each step are recorded with the version the step ran on (each step runs on one
         version). The KV cache of tokens made before an install stays as the old weights computed it, as in
@@ -447,12 +456,12 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params.output_kind = RequestOutputKind.DELTA
         engine, tag = self.llm.llm_engine, next(_REQUESTS)
         ids = [f"rlhf-{tag}-{i}" for i in range(len(prompts))]
         seqs: dict[tuple[str, int], list] = {}  # (request, sample) -> [tokens, logprobs, versions, finish]
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
+        for rid, p, sp in zip(ids, prompts, params):
+            sp.output_kind = RequestOutputKind.DELTA
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
         try:
             while engine.has_unfinished_requests():
                 self._step_boundary()
@@ -467,11 +476,11 @@ class VLLMEngine:
         except BaseException:
             engine.abort_request(ids)
             raise
-        missing = [(rid, k) for rid in ids for k in range(params.n) if (rid, k) not in seqs]
+        missing = [(rid, k) for rid in ids for k in range(n) if (rid, k) not in seqs]
         if missing:
             raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
         routes = self._take_routes(ids)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
                            tuple(versions), self._routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
                 for i, rid in enumerate(ids)
-                for k, (tokens, logp, versions, finish) in enumerate(seqs[(rid, k)] for k in range(params.n))]
+                for k, (tokens, logp, versions, finish) in enumerate(seqs[(rid, k)] for k in range(n))]

@@ -4,6 +4,7 @@ uninterrupted run would have drawn."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Sequence, TypeVar
 
@@ -44,3 +45,12 @@ class PromptSampler:
                              f"seed {self.seed}; resume with seed={state['seed']}")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
+
+
+def prompt_seed(base: int, prompt: int) -> int:
+    """The sampling seed of prompt `prompt` of a call seeded `base`; its k-th sample draws from seed + k
+    (vLLM's rule for n > 1). Hashed, not base + prompt: with one seed per call every prompt's k-th sample
+    drew the same random numbers, and neighbouring bases (engines, steps, draws) would share streams.
+    62 bits, so seed + k stays a valid 64-bit generator seed."""
+    digest = hashlib.blake2b(f"{base}:{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2

@@ -124,6 +124,21 @@ def test_sampling_is_deterministic_for_a_seed(setup):
     assert len(a) == 12 and all(c.finish_reason in ("stop", "length") for c in a)
 
 
+def test_samples_of_different_prompts_draw_independent_streams(setup):
+    # One seed per call once gave sample k of every prompt the same random numbers: copies of one prompt in a
+    # call came out identical, and different prompts' samples were correlated.
+    engine, m1, m2, seqs = setup
+    prompt = seqs[0, :5].tolist()
+    outs = engine.generate([prompt] * 4, n=2, max_tokens=8, temperature=1.0, seed=5)
+    assert len({c.token_ids for c in outs}) > 4, [c.token_ids for c in outs]
+    # explicit per-prompt seeds: a prompt's samples follow its own seed wherever it sits in the call
+    from rlhf.data.sampler import prompt_seed
+    alone = engine.generate([prompt], n=2, max_tokens=8, temperature=1.0, seed=[prompt_seed(5, 3)])
+    assert [c.token_ids for c in alone] == [c.token_ids for c in outs[6:]]
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate([prompt] * 2, n=1, seed=[1])
+
+
 def test_tensor_parallel_engine_updates_exactly(tmp_path):
     """TP=2 on CPU: both workers install the update; logprobs follow the new weights."""
     from actors.vllm_engine import VLLMEngine

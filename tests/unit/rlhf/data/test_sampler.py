@@ -22,3 +22,14 @@ def test_resume_with_another_seed_is_refused():
     s = PromptSampler([1, 2, 3], 2, seed=0)
     with pytest.raises(ValueError, match="resume with seed=0"):
         PromptSampler([1, 2, 3], 2, seed=1).load_state_dict(s.state_dict())
+
+
+def test_prompt_seeds_give_every_prompt_and_call_its_own_streams():
+    from rlhf.data.sampler import prompt_seed
+
+    n = 16  # samples per prompt: prompt seeded s draws from s .. s + n - 1
+    seeds = [prompt_seed(base, i) for base in range(50) for i in range(64)]
+    assert seeds == [prompt_seed(base, i) for base in range(50) for i in range(64)]  # deterministic
+    assert all(0 <= s < 2**62 for s in seeds)
+    streams = [s + k for s in seeds for k in range(n)]
+    assert len(set(streams)) == len(streams)  # no two (call, prompt, sample) share a random stream
