@@ -1,6 +1,6 @@
 """The `rlhf` command.
 
-    rlhf make-tiny DIR [--model YAML] [--seed N] [--target-accuracy F]
+    rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
     rlhf plan RUN.yaml [key=value ...]      device map, memory estimate, weight-sync plan (starts nothing)
@@ -23,7 +23,10 @@ def _make_tiny(args) -> int:
     from rlhf.config import load_model_config
     from rlhf.tiny import TinySpec, make_tiny
 
-    cfg = load_model_config(args.model)
+    path = Path(args.model)
+    if not path.is_file() and (REPO_CONFIGS / "model" / f"{args.model}.yaml").is_file():
+        path = REPO_CONFIGS / "model" / f"{args.model}.yaml"  # a shipped model by name, e.g. pangu_moe_tiny
+    cfg = load_model_config(path)
     spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy)
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("make-tiny", help="write a tiny MoE policy warm-started on the addition task")
     p.add_argument("dir", help="output HF model directory (prompt files are written beside the weights)")
-    p.add_argument("--model", default=str(REPO_CONFIGS / "model" / "qwen3_moe_tiny.yaml"), help="model shape YAML")
+    p.add_argument("--model", default=str(REPO_CONFIGS / "model" / "qwen3_moe_tiny.yaml"),
+                   help="model shape YAML, or the name of one under configs/model (qwen3_moe_tiny, pangu_moe_tiny)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-accuracy", type=float, default=0.2,
                    help="stop the supervised warm start once greedy held-out accuracy reaches this fraction")

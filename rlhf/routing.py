@@ -54,11 +54,17 @@ class Routing:
         return out.view(B, T, num_layers, k)
 
 
-def route(probs_SE: torch.Tensor, k: int, forced_Sk: Optional[torch.Tensor]):
-    """(weights [S, k] before any renormalisation, experts [S, k], live top-k experts [S, k]). Rows of
-    `forced_Sk` that hold ids (not -1) take those experts, weighted by the live probabilities there; the
-    others take the live top-k. Forcing a row's own live choice gives its live weights bit for bit."""
-    live_w, live_e = torch.topk(probs_SE, k, dim=-1)
+def route(probs_SE: torch.Tensor, k: int, forced_Sk: Optional[torch.Tensor], choice_SE: Optional[torch.Tensor] = None):
+    """(weights [S, k] before any renormalisation, experts [S, k], live top-k experts [S, k]). The live
+    top-k ranks `choice_SE` where given (a sigmoid router's biased, group-masked scores), else the
+    probabilities; weights are always the probabilities of the experts taken. Rows of `forced_Sk` that hold
+    ids (not -1) take those experts, the others the live top-k. Forcing a row's own live choice gives its
+    live weights bit for bit."""
+    if choice_SE is None:
+        live_w, live_e = torch.topk(probs_SE, k, dim=-1)
+    else:
+        live_e = torch.topk(choice_SE, k, dim=-1).indices
+        live_w = probs_SE.gather(1, live_e)
     if forced_Sk is None:
         return live_w, live_e, live_e
     use_S1 = forced_Sk[:, :1] >= 0

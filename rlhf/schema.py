@@ -48,6 +48,18 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """YaRN context extension of the rotary embedding (DeepSeek-V3's `rope_scaling`, type yarn)."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only MoE model, in transformers' config.json vocabulary."""
 
@@ -69,6 +81,11 @@ class ModelConfig:
     moe_intermediate_size: int = 96
     norm_topk_prob: bool = True
     router_scoring: RouterScoring = RouterScoring.softmax
+    # Sigmoid routers (DeepSeek-V3): experts in n_group groups, a token's top-k taken from its topk_group best
+    # groups; the chosen weights are multiplied by routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # Shared experts, applied to every token beside the routed ones (0: none).
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
@@ -79,6 +96,7 @@ class ModelConfig:
     num_mtp_layers: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[RopeScaling] = None
     max_position_embeddings: int = 128
     tie_word_embeddings: bool = False
     dtype: DType = DType.float32

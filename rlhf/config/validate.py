@@ -12,7 +12,7 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RoutingReplay, RunConfig)
+                         RewardKind, RouterScoring, RoutingReplay, RunConfig)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]
@@ -49,6 +49,22 @@ def model_problems(m: ModelConfig, prefix: str = "model") -> list[Problem]:
                          f"num_shared_experts={m.num_shared_experts} needs a positive shared expert size"))
     if m.attention is Attention.mla and m.mla is None:
         p.append(Problem(f"{prefix}.mla", None, "attention: mla needs an mla: section with its ranks and head dims"))
+    if m.num_experts % m.n_group:
+        p.append(Problem(f"{prefix}.n_group", m.n_group, f"must divide num_experts={m.num_experts}; "
+                         f"choose one of {divisors(m.num_experts)}"))
+    elif m.n_group > 1 and m.num_experts // m.n_group < 2:
+        p.append(Problem(f"{prefix}.n_group", m.n_group, "a group is scored by its two best experts: "
+                         f"num_experts / n_group must be at least 2 (num_experts={m.num_experts})"))
+    elif not 1 <= m.topk_group <= m.n_group:
+        p.append(Problem(f"{prefix}.topk_group", m.topk_group, f"must be between 1 and n_group={m.n_group}"))
+    elif m.num_experts_per_tok > m.topk_group * (m.num_experts // m.n_group):
+        p.append(Problem(f"{prefix}.topk_group", m.topk_group,
+                         f"its groups hold {m.topk_group * (m.num_experts // m.n_group)} experts, fewer than "
+                         f"num_experts_per_tok={m.num_experts_per_tok}; raise topk_group"))
+    if m.n_group > 1 and m.router_scoring is not RouterScoring.sigmoid:
+        p.append(Problem(f"{prefix}.n_group", m.n_group, "group-limited routing is built for router_scoring: sigmoid"))
+    if m.rope_scaling is not None and m.rope_scaling.factor < 1:
+        p.append(Problem(f"{prefix}.rope_scaling.factor", m.rope_scaling.factor, "must be at least 1"))
     if m.head_dim % 2:
         p.append(Problem(f"{prefix}.head_dim", m.head_dim, "rotary embeddings need an even head_dim"))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

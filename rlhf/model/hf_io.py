@@ -1,8 +1,9 @@
 """HF model directories: config.json, safetensors (one file or sharded with an index), tokenizer files.
 
-What we write is what released Qwen3-MoE checkpoints hold, so transformers and vLLM open it
-unchanged: per-expert tensor names (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, ...), a
-config.json with `model_type: qwen3_moe`. In memory our model keeps experts stacked (see
+What we write is what released Qwen3-MoE or DeepSeek-V3 checkpoints hold, so transformers and vLLM open
+it unchanged: per-expert tensor names (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, ...), MTP
+modules as the layers after the last, a config.json with `model_type: qwen3_moe` or `deepseek_v3`
+(`rlhf.model.hf_config`). In memory our model keeps experts stacked (see
 `rlhf.model.qwen3_moe`); `to_hf_tensors` / `from_hf_tensors` convert between the two, bit-exactly.
 """
 
@@ -21,7 +22,8 @@ from safetensors.torch import save_file
 
 from rlhf.errors import ConfigError
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.schema import DType, ModelConfig
+from rlhf.model.hf_config import deepseek_v3_config, model_config_from_deepseek_v3
+from rlhf.schema import Architecture, DType, ModelConfig
 from weight_sync.pieces import fill_buffers
 
 CONFIG_FILE = "config.json"
@@ -39,7 +41,9 @@ def torch_dtype(cfg: ModelConfig) -> torch.dtype:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    """config.json contents, in the keys released Qwen3-MoE checkpoints use."""
+    """config.json contents, in the keys released checkpoints of the architecture use."""
+    if cfg.architecture is Architecture.pangu_moe:
+        return deepseek_v3_config(cfg)
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -78,9 +82,12 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def model_config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
-    """Read a Qwen3-MoE config.json back into our schema; refuses layouts we do not build."""
+    """Read a Qwen3-MoE or DeepSeek-V3 config.json back into our schema; refuses layouts we do not build."""
+    if d.get("model_type") == "deepseek_v3":
+        return model_config_from_deepseek_v3(d, name)
     if d.get("model_type") != "qwen3_moe":
-        raise ValueError(f"config.json model_type={d.get('model_type')!r}: only qwen3_moe directories can be loaded")
+        raise ValueError(f"config.json model_type={d.get('model_type')!r}: only qwen3_moe and deepseek_v3 directories "
+                         "can be loaded")
     dense = d.get("mlp_only_layers") or []
     if dense != list(range(len(dense))) or d.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"config.json mlp_only_layers={dense}, decoder_sparse_step={d.get('decoder_sparse_step')}: "
@@ -261,8 +268,7 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
     return local
 
 
-_NOT_SHAPE = {"name", "path", "architecture", "attention", "mla", "num_shared_experts",
-              "shared_expert_intermediate_size", "num_mtp_layers", "router_scoring"}
+_NOT_SHAPE = {"name", "path"}
 
 
 def check_model_dir(model: ModelConfig) -> Path:

@@ -1,4 +1,7 @@
-"""Qwen3-MoE decoder in plain torch, architecture-compatible with transformers' Qwen3MoeForCausalLM.
+"""MoE decoders in plain torch: Qwen3-MoE, architecture-compatible with transformers' Qwen3MoeForCausalLM,
+and DeepSeek-V3 / Pangu Ultra MoE (`architecture: pangu_moe`), compatible with DeepseekV3ForCausalLM:
+multi-head latent attention (`rlhf.model.mla`), a sigmoid group-limited router with a correction bias,
+shared experts, dense-first layers, multi-token-prediction modules carried but not run.
 
 The maths only: no parallelism here (sharding is declared elsewhere and applied to these modules).
 Parameter names equal transformers' in-memory names, routed experts included: each MoE layer holds
@@ -23,20 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
+from rlhf.model.layers import RMSNorm
+from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
-from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
 
 
 def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -109,6 +102,36 @@ class Router(nn.Module):
         return weights_Sk.to(x_SH.dtype), experts_Sk, live_Sk
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router: sigmoid scores; the choice adds a per-expert correction bias (a balancing
+    term, not trained by gradients) and keeps only the `topk_group` groups of experts whose two best biased
+    scores sum highest; the weights are the unbiased scores of the chosen experts, renormalised with
+    norm_topk_prob, times routed_scaling_factor. Scores in fp32 whatever the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+
+    def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
+        """As `Router.forward`."""
+        scores_SE = torch.sigmoid(F.linear(x_SH.float(), self.weight.float()))
+        choice_SE = scores_SE + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            S, E = choice_SE.shape
+            grouped = choice_SE.view(S, self.n_group, E // self.n_group)
+            best_SG = grouped.topk(2, dim=-1).values.sum(-1)
+            keep_SG = torch.zeros_like(best_SG, dtype=torch.bool).scatter_(
+                1, best_SG.topk(self.topk_group, dim=-1).indices, True)
+            choice_SE = grouped.masked_fill(~keep_SG[..., None], float("-inf")).view(S, E)
+        weights_Sk, experts_Sk, live_Sk = route(scores_SE, self.top_k, forced_Sk, choice_SE)
+        if self.norm_topk_prob:
+            weights_Sk = weights_Sk / (weights_Sk.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights_Sk * self.scaling).to(x_SH.dtype), experts_Sk, live_Sk
+
+
 class Experts(nn.Module):
     """Routed SwiGLU experts stored stacked, so expert parallelism is a split of dim 0."""
 
@@ -144,10 +167,15 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """Routed experts, plus shared experts that every token passes through (DeepSeek-V3: `shared_experts`, one
+    SwiGLU MLP of num_shared_experts x shared_expert_intermediate_size)."""
+
     def __init__(self, cfg: ModelConfig, moe_index: int = 0):
         super().__init__()
-        self.gate = Router(cfg)
+        self.gate = GroupLimitedRouter(cfg) if cfg.router_scoring is RouterScoring.sigmoid else Router(cfg)
         self.experts = Experts(cfg)
+        if cfg.num_shared_experts:
+            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.num_shared_experts * cfg.shared_expert_intermediate_size)
         self.num_experts = cfg.num_experts
         self.moe_index = moe_index  # this block's place among the MoE layers (routes are indexed by it)
         self.last_tokens_per_expert: torch.Tensor | None = None
@@ -164,13 +192,16 @@ class SparseMoE(nn.Module):
         with torch.no_grad():
             chosen = experts_Sk if valid_BT is None else experts_Sk[valid_BT.reshape(-1)]
             self.last_tokens_per_expert = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
-        return self.experts(x_SH, experts_Sk, weights_Sk).view(B, T, H)
+        y_SH = self.experts(x_SH, experts_Sk, weights_Sk)
+        if hasattr(self, "shared_experts"):
+            y_SH = y_SH + self.shared_experts(x_SH)
+        return y_SH.view(B, T, H)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.attention is AttentionKind.mla else SelfAttention(cfg)
         self.is_moe = layer_idx >= cfg.first_k_dense_layers
         self.mlp = (SparseMoE(cfg, layer_idx - cfg.first_k_dense_layers) if self.is_moe
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
@@ -183,11 +214,30 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, valid_BT, routing) if self.is_moe else self.mlp(h))
 
 
+class MTPLayer(DecoderLayer):
+    """A multi-token-prediction module (DeepSeek-V3): it predicts the token after next from the last
+    hidden state and the next token's embedding. Carried, not run: loaded, checkpointed, exported and
+    synced unchanged, its parameters frozen (nothing here trains or serves speculative decoding)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        H = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(H, cfg.rms_norm_eps), RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.requires_grad_(False)
+
+
 class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # MTP modules follow the decoder layers, under the names checkpoints give them (model.layers.{L + k});
+        # the forward runs the first num_hidden_layers only.
+        L = cfg.num_hidden_layers
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(L)] +
+                                    [MTPLayer(cfg, L + k) for k in range(cfg.num_mtp_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -211,7 +261,7 @@ class Qwen3MoeDecoder(nn.Module):
         `routing` forces, records or compares the MoE layers' expert choices."""
         ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT, routing)
         x = self.model.embed_tokens(input_ids_BT)
-        for layer in self.model.layers:
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
             x = layer(x, *ctx)
         return self.model.norm(x)
 
@@ -234,23 +284,28 @@ class Qwen3MoeDecoder(nn.Module):
             if position_ids_BT is None:
                 position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
         dtype = next(self.parameters()).dtype
-        cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, dtype)
+        if cfg.attention is AttentionKind.mla:
+            cos, sin = mla_cos_sin(position_ids_BT, cfg, dtype)
+        else:
+            cos, sin = rope_cos_sin(position_ids_BT, cfg.head_dim, cfg.rope_theta, dtype)
         return cos, sin, mask, valid_BT, routing
 
     def router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert in the last forward: [num MoE layers, E] (int64)."""
-        rows = [l.mlp.last_tokens_per_expert for l in self.model.layers if l.is_moe]
+        rows = [l.mlp.last_tokens_per_expert for l in self.model.layers[: self.config.num_hidden_layers] if l.is_moe]
         if any(r is None for r in rows):
             raise RuntimeError("router_stats() needs a forward pass first")
         return torch.stack(rows)
 
     @torch.no_grad()
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Deterministic initialisation for a seed: normal(0, std) matrices, unit norms."""
+        """Deterministic initialisation for a seed: normal(0, std) matrices, unit norms, zero router bias."""
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
@@ -285,18 +340,22 @@ class Qwen3MoeForCausalLM(Qwen3MoeDecoder):
 
 
 def check_supported(cfg: ModelConfig) -> None:
-    """The torch model builds Qwen3-MoE shapes; the schema describes more (used by planning)."""
-    unsupported = []
-    if cfg.architecture is not Architecture.qwen3_moe:
-        unsupported.append(f"architecture={cfg.architecture.value}")
-    if cfg.attention is not AttentionKind.gqa:
-        unsupported.append(f"attention={cfg.attention.value}")
-    if cfg.num_shared_experts:
-        unsupported.append(f"num_shared_experts={cfg.num_shared_experts}")
-    if cfg.num_mtp_layers:
-        unsupported.append(f"num_mtp_layers={cfg.num_mtp_layers}")
+    """The torch model builds Qwen3-MoE and DeepSeek-V3 (Pangu Ultra MoE) decoders; the schema describes
+    mixes of the two (used by planning) that no released checkpoint has."""
+    if cfg.architecture is Architecture.qwen3_moe:
+        unsupported = [f"{k}={v}" for k, v in (
+            ("attention", cfg.attention.value), ("router_scoring", cfg.router_scoring.value),
+            ("num_shared_experts", cfg.num_shared_experts), ("num_mtp_layers", cfg.num_mtp_layers))
+            if v not in ("gqa", "softmax", 0)]
+        want = "GQA, softmax router, routed experts only, no MTP"
+    else:
+        unsupported = [f"{k}={v}" for k, v in (("attention", cfg.attention.value),
+                                                ("router_scoring", cfg.router_scoring.value)) if v not in ("mla", "sigmoid")]
+        if cfg.num_shared_experts and cfg.shared_expert_intermediate_size != cfg.moe_intermediate_size:
+            unsupported.append(f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} "
+                               f"(DeepSeek-V3 checkpoints size it as moe_intermediate_size={cfg.moe_intermediate_size})")
+        want = "MLA attention, sigmoid router"
     if unsupported:
         raise NotImplementedError(
-            f"model {cfg.name!r}: the torch model implements Qwen3-MoE (GQA, routed experts only, no MTP); "
-            f"{', '.join(unsupported)} can be planned and simulated but not built yet"
-        )
+            f"model {cfg.name!r}: architecture {cfg.architecture.value} is built with {want}; "
+            f"{', '.join(unsupported)} can be planned and simulated but not built")

@@ -1,4 +1,4 @@
-"""How the trainer shards the Qwen3-MoE model, declared as data; and the shard spec it implies. Pure.
+"""How the trainer shards the MoE model (Qwen3-MoE, DeepSeek-V3), declared as data; and the shard spec it implies. Pure.
 
 One rule per parameter kind (matched on names, checkpoint or our in-memory ones): which mesh axis
 splits which tensor dim. Column-parallel projections (q, MLA's q_b/kv_b, dense and shared-expert
@@ -8,8 +8,10 @@ head, or replicated by head group when tp exceeds the KV heads; routed experts a
 everything else is replicated. Pipeline stages own contiguous layer ranges; the embedding sits on
 the first stage, MTP modules, the final norm and lm_head on the last. Data-parallel ranks hold full
 replicas of their stage's shards. The tables come from `rlhf.model.shapes.param_shapes`, so every
-architecture the schema describes (MLA, shared experts, MTP) is covered, also those the torch model
-does not build yet.
+architecture the schema describes (MLA, shared experts, MTP) is covered. MLA's latent projections
+(q_a, kv_a and their norms) are replicated over TP and their gradients summed over the stage; the
+sigmoid router's correction bias and the MTP modules are frozen (`is_frozen`): held, saved and synced,
+never stepped.
 
 With `zero_stage=3` (sharded data parallelism, FSDP2's layout) every parameter that has identical
 copies on several ranks is further split by rows (dim 0) over those ranks: the DP group for
@@ -58,7 +60,13 @@ SHARDING_RULES: tuple[tuple[str, Split], ...] = (
 # Replicated parameters whose gradient each rank only sees part of, so it is summed over the whole
 # stage (dp x tp) rather than over dp alone: q/k norms act on this TP rank's heads only; the router
 # sees this rank's slice of the tokens (MoE blocks split the TP group's tokens).
-STAGE_REDUCED_GRADS: tuple[str, ...] = (r"\.self_attn\.[qk]_norm\.weight$", r"\.mlp\.gate\.weight$")
+STAGE_REDUCED_GRADS: tuple[str, ...] = (r"\.self_attn\.[qk]_norm\.weight$", r"\.mlp\.gate\.weight$",
+                                        # MLA's latent projections: replicated, each TP rank's heads use them
+                                        r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_a_layernorm|kv_a_layernorm)\.weight$")
+
+# Held, synced and saved but never stepped by the optimizer: the sigmoid router's correction bias (a balancing
+# term, not a gradient-trained one) and the MTP modules (carried, not run).
+FROZEN: tuple[str, ...] = (r"\.mlp\.gate\.e_score_correction_bias$",)
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -66,6 +74,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def grad_reduced_over_stage(name: str) -> bool:
     return any(re.search(p, name) for p in STAGE_REDUCED_GRADS)
+
+
+def is_frozen(name: str, cfg: ModelConfig) -> bool:
+    m = _LAYER.match(name)
+    return any(re.search(p, name) for p in FROZEN) or (m is not None and int(m.group(1)) >= cfg.num_hidden_layers)
 
 
 def split_of(name: str) -> Split:

@@ -1,14 +1,14 @@
-"""Apply the declared sharding (`rlhf.model.sharding`) to a Qwen3-MoE model on one rank.
+"""Apply the declared sharding (`rlhf.model.sharding`) to a Qwen3-MoE or DeepSeek-V3 model on one rank.
 
 The model's maths is untouched; this module only
 - keeps the layers of this rank's pipeline stage (others become parameter-free placeholders, so
-  parameter names keep their global layer index),
+  parameter names keep their global layer index; MTP modules stay on the last stage, never run),
 - replaces parameters by this rank's local shards (`local_tensors` of the rank's sharding),
 - wraps tensor-parallel regions with f/g collectives through forward hooks (attention and dense
   MLPs: copy to the TP group on entry, all-reduce the row-parallel output),
 - swaps each MoE block for `ExpertParallelMoE`, which splits the TP group's tokens, routes them,
   sends each (token, expert) row to the EP rank holding the expert (flat or hierarchical all-to-all),
-  applies the local experts and brings the rows back.
+  applies the local experts and brings the rows back; shared experts run beside them, split over TP.
 
 Gradient reduction groups follow from the same declarations: `grad_group_of`.
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
 from rlhf.routing import Routing, observe
-from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, split_of
+from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, is_frozen, split_of
 from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_rows, gather_from_group, reduce_from_group, split_to_group
 from rlhf.parallel.dispatch import Dispatcher
 
@@ -41,6 +41,8 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: SparseMoE, groups: LayoutGroups, expert_map: Sequence[int], dispatcher: Dispatcher):
         super().__init__()
         self.gate, self.experts = moe.gate, moe.experts
+        if hasattr(moe, "shared_experts"):  # split over TP like a dense MLP, every token through it
+            self.shared_experts = moe.shared_experts
         self.num_experts, self.moe_index = moe.num_experts, moe.moe_index
         self.groups = groups
         shard_of = torch.tensor(expert_map, dtype=torch.long)
@@ -79,8 +81,12 @@ class ExpertParallelMoE(nn.Module):
         y_rows = self.dispatcher.run(x_loc, self.shard_of[experts_Sk], self.local_index[experts_Sk],
                                      self.experts.forward_rows)
         out_loc = (y_rows.view(-1, k, H) * weights_Sk[..., None]).sum(1)
-        out = gather_from_group(out_loc, self.groups.tp)[:S]
-        return out.view(B, T, H)
+        out = gather_from_group(out_loc, self.groups.tp)[:S].view(B, T, H)
+        if hasattr(self, "shared_experts"):
+            if tp == 1:
+                return out + self.shared_experts(x_BTH)
+            return out + reduce_from_group(self.shared_experts(copy_to_group(x_BTH, self.groups.tp)), self.groups.tp)
+        return out
 
     def _my_rows(self, routes_Sk: torch.Tensor | None, pad: int) -> torch.Tensor | None:
         if routes_Sk is None or self.groups.size("tp") == 1:
@@ -113,8 +119,9 @@ def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: L
     if cfg.tie_word_embeddings and layout.pp > 1:
         raise NotImplementedError("tied embeddings across pipeline stages are not supported; untie or use pp=1")
     inner = model.model
+    last = len(stages) - 1
     for i, layer in enumerate(inner.layers):
-        if i not in stages[stage]:
+        if i not in stages[stage] and not (i >= cfg.num_hidden_layers and stage == last):  # MTP: the last stage
             inner.layers[i] = Placeholder()
     if stage != 0:
         inner.embed_tokens = Placeholder()
@@ -129,7 +136,7 @@ def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: L
         raise RuntimeError(f"sharding names parameters the model lacks: {sorted(missing)[:3]}")
     for name in sharding.local_shapes:
         owner, leaf = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
-        setattr(owner, leaf, nn.Parameter(local[name], requires_grad=True))
+        setattr(owner, leaf, nn.Parameter(local[name], requires_grad=not is_frozen(name, cfg)))
     if cfg.tie_word_embeddings and stage == len(stages) - 1:
         model.lm_head.weight = inner.embed_tokens.weight
     stray = [n for n, _ in model.named_parameters() if n not in sharding.local_shapes

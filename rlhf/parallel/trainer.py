@@ -24,7 +24,7 @@ from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import Split, TrainerSharding, rank_sharding, row_sharded, split_of
+from rlhf.model.sharding import Split, TrainerSharding, is_frozen, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.optim import ShardedAdamW
@@ -83,6 +83,8 @@ class ParallelTrainer:
         self._apply_recompute(trainer_cfg.recompute)
         named = dict(self.model.named_parameters())
         self.params = {n: self.zero3_params[n] if n in self.row_shards else named[n] for n in self.sharding.local_shapes}
+        # what the optimizer steps: all but the frozen (router correction bias, MTP modules), which stay as loaded
+        self.trained = {n: p for n, p in self.params.items() if not is_frozen(n, model_cfg)}
         self.optimizer = ShardedAdamW(self._optimizer_buckets(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
@@ -197,7 +199,7 @@ class ParallelTrainer:
         self.model.train()
         score = self._score(temperature)
         micro_batches = self._routed(micro_batches, first)
-        for p in self.params.values():
+        for p in self.trained.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             else:
@@ -239,7 +241,7 @@ class ParallelTrainer:
         each group shares one AdamW state, split over its ranks (ZeRO-1). Row shards (zero_stage=3)
         form one bucket this rank steps alone."""
         buckets: dict[str, tuple] = {}
-        for name, p in self.params.items():
+        for name, p in self.trained.items():
             if name in self.row_shards:  # zero_stage=3: the row shard is this rank's alone to update
                 buckets.setdefault("zero3", (None, 1, 0, []))[3].append(p)
                 continue
@@ -254,10 +256,10 @@ class ParallelTrainer:
         tp > KV heads: the TP ranks sharing a KV head each saw their own query heads, so k/v gradients
         are first summed over them."""
         if self.groups.kv_head is not None:
-            _all_reduce_flat([p.grad for n, p in self.params.items() if split_of(n) is Split.tp_kv_rows],
+            _all_reduce_flat([p.grad for n, p in self.trained.items() if split_of(n) is Split.tp_kv_rows],
                              self.groups.kv_head)
         buckets: dict[str, tuple[object, list[torch.Tensor]]] = {}
-        for name, p in self.params.items():
+        for name, p in self.trained.items():
             if name in self.row_shards:
                 continue
             group, kind = grad_group_of(name, self.groups)
@@ -270,14 +272,14 @@ class ParallelTrainer:
         """Global gradient norm over all shards (each replica counted once); clip like
         torch.nn.utils.clip_grad_norm_."""
         sq = torch.zeros((), dtype=torch.float64)
-        for name, p in self.params.items():
+        for name, p in self.trained.items():
             copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
             sq += p.grad.double().pow(2).sum() / copies
         torch.distributed.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in self.params.values():
+            for p in self.trained.values():
                 p.grad.mul_(coef)
         return norm
 

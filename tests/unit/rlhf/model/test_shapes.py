@@ -2,6 +2,8 @@ from pathlib import Path
 
 from rlhf.config import load_model_config
 from rlhf.model.shapes import count_active_params, count_params, param_shapes
+import pytest
+import torch
 
 MODELS = Path(__file__).resolve().parents[4] / "configs" / "model"
 
@@ -27,3 +29,18 @@ def test_pangu_table_has_mla_shared_experts_dense_first_and_mtp():
     assert shapes["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7680)
     assert shapes["model.layers.61.eh_proj.weight"] == (7680, 2 * 7680)  # the MTP module
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in shapes
+
+
+@pytest.mark.parametrize("name", ["pangu_ultra_moe_718b", "pangu_moe_tiny", "qwen3_moe_small", "qwen3_30b_a3b"])
+def test_the_table_is_what_the_model_builds(name):
+    """Built on the meta device (no memory), the torch model writes exactly the tensors of the shape table that
+    planning, memory estimates and the simulator count."""
+    from rlhf.model.hf_io import to_hf_tensors
+    from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    cfg = load_model_config(MODELS / f"{name}.yaml")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    built = {n: tuple(t.shape) for n, t in to_hf_tensors(model.state_dict(), cfg)}
+    assert built == param_shapes(cfg)
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
