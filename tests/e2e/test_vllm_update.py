@@ -149,8 +149,22 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
     try:
         _check_tp2(engine, m1, m2)
+        # workers killed outright (as vLLM kills those slower than its shutdown grace) never unlink their
+        # collectives' shared memory: close removes it
+        import glob
+        import signal
+
+        import psutil
+
+        segments = [p for prefix in engine._shm_prefixes for p in glob.glob(f"/dev/shm/{glob.escape(prefix)}-*")]
+        assert segments, "a TP 2 engine on cpu shares memory between its workers"
+        workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline() + [p.name()])]
+        assert workers
+        for w in workers:
+            os.kill(w.pid, signal.SIGKILL)
     finally:
         engine.close()
+    assert not [p for p in segments if os.path.exists(p)]
 
 
 def _check_tp2(engine, m1, m2):
@@ -189,5 +203,45 @@ def test_prefix_cached_prompt_follows_an_update(tmp_path):
         seq = torch.tensor([prompt + list(again.token_ids)])
         want = float(_ours(m2, seq)[0, -1])
         assert abs(again.logp[0] - want) <= 1e-5, (again.logp[0], want, first.logp[0])
+    finally:
+        engine.close()
+
+
+def _pangu(seed):
+    m = Qwen3MoeForCausalLM(load_model_config(os.path.join(CONFIGS, "model", "pangu_moe_tiny.yaml"))).eval()
+    m.init_weights(seed, std=0.1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # a trained router's bias moves the choice
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def test_mla_engine_serves_the_trainer_model_and_updates_exactly(tmp_path):
+    """The DeepSeek-V3 architecture (MLA, sigmoid group-limited routing with a correction bias, a shared
+    expert) on vLLM's DeepseekV3 model: prompt logprobs (prefill: the latent expanded by kv_b_proj) and
+    sampled-token logprobs (decode: kv_b_proj absorbed into W_UK / W_UV after loading) equal ours, fresh and
+    after an in-place update (W_UK / W_UV rebuilt from the new kv_b_proj by the reload's post-load step)."""
+    from actors.vllm_engine import VLLMEngine
+
+    m1, m2 = _pangu(1), _pangu(2)
+    save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
+    save_pretrained(m1, tmp_path)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(), max_model_len=64)
+    try:
+        seqs = torch.randint(3, m1.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
+        seqs[:, 0] = 1
+        for model, version in ((m1, 0), (m2, 1)):
+            if version:
+                engine.update_weights(_hf(model), version=version)
+            lp = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
+            assert (lp - _ours(model, seqs)).abs().max() <= 1e-5, version
+            outs = engine.generate(seqs[:4, :6].tolist(), n=2, max_tokens=10, temperature=1.0, seed=3,
+                                   ignore_eos=True)
+            for c in outs:
+                full = torch.tensor([seqs[c.prompt_index, :6].tolist() + list(c.token_ids)])
+                want = _ours(model, full)[0, 5:]
+                assert (torch.tensor(c.logp) - want).abs().max() <= 1e-5, (version, c.prompt_index)
     finally:
         engine.close()
