@@ -3,7 +3,8 @@ reward model that scores prompt + response.
 
 Plain classes (Ray actors where the driver spawns them), called the same way:
 `score(responses, answers, prompts=None) -> ScoreReply` (one score per response).
-The rules themselves are pure functions (`rlhf.data.verifiers`). `RewardModelWorker` (`reward.kind: model`) ignores the answers.
+The rules themselves are pure functions (`rlhf.data.verifiers`). `RewardModelWorker` (`reward.kind: model`)
+ignores the answers.
 """
 
 from __future__ import annotations

@@ -8,29 +8,28 @@ imports vllm lazily, inside `__init__`.
 
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
 import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
+from actors.vllm_platform import SHUTDOWN_GRACE_S, prepare_platform, remove_leftover_shm
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
 log = logging.getLogger(__name__)
 
 
 _REQUESTS = itertools.count()  # request ids of stepwise generations
-SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
 
 
 def _sampled_logprobs(c) -> tuple[float, ...]:
@@ -58,47 +57,6 @@ class Completion:
     routes: Optional["np.ndarray"] = None
 
 
-def _prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
-                      own_process: bool = False, force_in_process: bool = False) -> None:
-    # vLLM logs to stdout by default; our commands keep stdout for their results.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default
-    # is too short on a busy machine, and a killed worker leaves its shared memory behind)
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(SHUTDOWN_GRACE_S)))
-    # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
-    # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
-    in_process = cfg.engine_core_in_process
-    if (in_process is None and device_type is DeviceType.cpu and own_process) or force_in_process:
-        in_process = True
-    if in_process is not None:  # otherwise vLLM's default (or the environment's VLLM_ENABLE_V1_MULTIPROCESSING)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    if device_type is DeviceType.cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
-        if cpu_cores:
-            # One core per engine rank, the core of its stand-in device: vLLM's "auto" binding puts every
-            # engine of a machine on core 0 (it reserves the rest), so two engines would share one core.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpu_cores))
-        elif cfg.tp > 1:
-            # The default "auto" binding fails with "Not enough allowed NUMA nodes" for TP > 1 on one socket.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tp)))
-    elif device_type is DeviceType.npu:
-        import torch_npu  # noqa: F401  (registers the npu device before vllm-ascend loads)
-
-
-def _remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
-    """Segments of this engine's workers still in /dev/shm after its processes ended: a worker that is
-    killed (vLLM force-kills those slower than the shutdown grace, e.g. on a busy machine) or crashes never
-    unlinks its collectives' segments. The prefix (VLLM_DIST_IDENT) is unique to the engine."""
-    removed = []
-    for prefix in prefixes:
-        for path in Path(shm_dir).glob(f"{glob.escape(prefix)}-*"):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    if removed:
-        log.warning("engine close: removed %d shared-memory segment(s) its workers left: %s", len(removed), removed)
-    return removed
-
-
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
@@ -112,7 +70,7 @@ class VLLMEngine:
         the generation is paused. `capture_routes`: every completion carries the experts the engine chose for
         each of its tokens (`Completion.routes`, for routing replay); prefix caching is then off, since a
         cached token is never routed again."""
-        _prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
+        prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         from vllm import LLM
 
         self.cfg = cfg
@@ -303,7 +261,7 @@ class VLLMEngine:
         import gc
 
         gc.collect()
-        _remove_leftover_shm(getattr(self, "_shm_prefixes", ()))
+        remove_leftover_shm(getattr(self, "_shm_prefixes", ()))
 
     # --- memory switching (co-location) ---
     def sleep(self, level: int = 1) -> dict:
