@@ -41,8 +41,9 @@ def prepare(cfg) -> None:
     model_dir = Path(cfg.model.path)
     if (model_dir / "config.json").is_file():
         return
-    if cfg.model.name == "qwen3_moe_tiny":
-        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir)], check=True)
+    if cfg.model.name in ("qwen3_moe_tiny", "pangu_moe_tiny"):
+        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir), "--model", cfg.model.name],
+                       check=True)
     else:
         from benchmarks.e2e_bench import build_policy
 

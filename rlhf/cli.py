@@ -1,6 +1,6 @@
 """The `rlhf` command.
 
-    rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F]
+    rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F] [--lr F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
     rlhf plan RUN.yaml [key=value ...]      device map, memory estimate, weight-sync plan (starts nothing)
@@ -21,13 +21,13 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def _make_tiny(args) -> int:
     from rlhf.config import load_model_config
-    from rlhf.tiny import TinySpec, make_tiny
+    from rlhf.tiny import TinySpec, make_tiny, sft_lr
 
     path = Path(args.model)
     if not path.is_file() and (REPO_CONFIGS / "model" / f"{args.model}.yaml").is_file():
         path = REPO_CONFIGS / "model" / f"{args.model}.yaml"  # a shipped model by name, e.g. pangu_moe_tiny
     cfg = load_model_config(path)
-    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy)
+    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=args.lr or sft_lr(cfg))
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
     return 0
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-accuracy", type=float, default=0.2,
                    help="stop the supervised warm start once greedy held-out accuracy reaches this fraction")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate of the warm start (default: 3e-3 for Qwen3-MoE, 1e-3 for pangu_moe)")
     p.set_defaults(func=_make_tiny)
 
     for name, func, text in (("check", _check, "validate a run config and print it resolved"),

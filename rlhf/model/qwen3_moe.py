@@ -91,11 +91,15 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
+    def scores(self, x_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probabilities [S, E], what the top-k ranks: the same probabilities)."""
+        probs_SE = torch.softmax(F.linear(x_SH, self.weight), dim=-1, dtype=torch.float)
+        return probs_SE, probs_SE
+
     def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
         """(weights [S, k], experts [S, k], the live top-k [S, k]); rows of `forced_Sk` other than -1 use
         those experts, weighted by the live probabilities (`rlhf.routing.route`)."""
-        logits_SE = F.linear(x_SH, self.weight)
-        probs_SE = torch.softmax(logits_SE, dim=-1, dtype=torch.float)
+        probs_SE, _ = self.scores(x_SH)
         weights_Sk, experts_Sk, live_Sk = route(probs_SE, self.top_k, forced_Sk)
         if self.norm_topk_prob:
             weights_Sk = weights_Sk / weights_Sk.sum(dim=-1, keepdim=True)
@@ -115,8 +119,8 @@ class GroupLimitedRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
 
-    def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
-        """As `Router.forward`."""
+    def scores(self, x_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmoid scores [S, E], what the top-k ranks [S, E]: scores plus bias, -inf outside the best groups)."""
         scores_SE = torch.sigmoid(F.linear(x_SH.float(), self.weight.float()))
         choice_SE = scores_SE + self.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -126,6 +130,11 @@ class GroupLimitedRouter(nn.Module):
             keep_SG = torch.zeros_like(best_SG, dtype=torch.bool).scatter_(
                 1, best_SG.topk(self.topk_group, dim=-1).indices, True)
             choice_SE = grouped.masked_fill(~keep_SG[..., None], float("-inf")).view(S, E)
+        return scores_SE, choice_SE
+
+    def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
+        """As `Router.forward`."""
+        scores_SE, choice_SE = self.scores(x_SH)
         weights_Sk, experts_Sk, live_Sk = route(scores_SE, self.top_k, forced_Sk, choice_SE)
         if self.norm_topk_prob:
             weights_Sk = weights_Sk / (weights_Sk.sum(dim=-1, keepdim=True) + 1e-20)

@@ -29,15 +29,22 @@ from weight_sync.plan import Topology
 from weight_sync.p2p import run_plan
 
 pytestmark = pytest.mark.vllm
-TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_tiny.yaml")
+MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model")
+TINY = os.path.join(MODELS, "qwen3_moe_tiny.yaml")
+PANGU = os.path.join(MODELS, "pangu_moe_tiny.yaml")  # MLA, group-limited sigmoid routing, a shared expert
 SEEDS = (2, 3, 2)  # the weights of each successful sync (the last one goes back to the first)
 SYNCS = ((SEEDS[0], None), (4, "flip"), (5, "nan"), (SEEDS[1], None), (SEEDS[2], None))  # (weights, fault)
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7, 21, 30, 2, 11, 8, 19]]
 
 
-def _model(seed):
-    m = Qwen3MoeForCausalLM(load_model_config(TINY)).eval()
+def _model(seed, yaml=TINY):
+    m = Qwen3MoeForCausalLM(load_model_config(yaml)).eval()
     m.init_weights(seed, std=0.1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # synced like any weight: make it matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return m
 
 
@@ -47,8 +54,8 @@ def _seqs(cfg):
     return seqs
 
 
-def worker(rank, start_dir, trainer, engines, port, fresh_dir):
-    cfg = load_model_config(TINY)
+def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
+    cfg = load_model_config(yaml)
     W = trainer.world_size
     sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
     dist.barrier()  # the engine is up before anyone joins the transfer group
@@ -56,7 +63,8 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir):
         group = transfer_group("gloo", "127.0.0.1", port, rank, sync.world_size, 120)
         sent = []
         for seed, fault in SYNCS:  # "flip": a part corrupted on its way; "nan": the trainer sends a NaN
-            src = local_tensors(dict(to_hf_tensors(_model(seed).state_dict(), cfg)), rank_sharding(cfg, trainer, rank))
+            src = local_tensors(dict(to_hf_tensors(_model(seed, yaml).state_dict(), cfg)),
+                                rank_sharding(cfg, trainer, rank))
             if fault == "nan" and rank == 0:
                 next(iter(src.values())).view(-1)[0] = float("nan")
             sent.append(run_plan(sync.plan(), rank, src, None, torch.float32, group=group).bytes_sent)
@@ -88,20 +96,23 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir):
     return out
 
 
-@pytest.mark.parametrize("trainer,engines,fresh", [(Layout(tp=2), InferenceLayout(tp=2), True),
-                                                   (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False),
-                                                   (Layout(tp=2), InferenceLayout(tp=1), True)],
-                         ids=["tp2-to-tp2", "dp2ep2-to-tp2ep2", "tp2-to-tp1"])
-def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, engines, fresh):
+@pytest.mark.parametrize("trainer,engines,fresh,yaml", [
+    (Layout(tp=2), InferenceLayout(tp=2), True, TINY),
+    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, TINY),
+    (Layout(tp=2), InferenceLayout(tp=1), True, TINY),
+    (Layout(tp=2), InferenceLayout(tp=2), True, PANGU),
+    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, PANGU),
+], ids=["tp2-to-tp2", "dp2ep2-to-tp2ep2", "tp2-to-tp1", "mla-tp2-to-tp2", "mla-dp2ep2-to-tp2ep2"])
+def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, engines, fresh, yaml):
     for d, seed in ((tmp_path / "start", 1), (tmp_path / "fresh", SEEDS[0])):
-        m = _model(seed)
+        m = _model(seed, yaml)
         save_tokenizer(build_tokenizer(m.config.vocab_size), d)
         save_pretrained(m, d)
     W = trainer.world_size
     results = run_ranks(worker, W + 1, str(tmp_path / "start"), trainer, engines, free_port(),
-                        str(tmp_path / "fresh") if fresh else None, timeout_s=900, collective_timeout_s=600)
+                        str(tmp_path / "fresh") if fresh else None, yaml, timeout_s=900, collective_timeout_s=600)
     engine = results[W]
-    cfg = load_model_config(TINY)
+    cfg = load_model_config(yaml)
     sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
     plan = sync.plan()
     assert engine["ranks"] == list(range(W, W + engines.world_size))
@@ -118,7 +129,7 @@ def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, 
     # after each sync the engine runs exactly the trainer's weights
     seqs = _seqs(cfg)
     with torch.no_grad():
-        ours = {s: token_logprobs(_model(s)(seqs), seqs)[0] for s in set(SEEDS)}
+        ours = {s: token_logprobs(_model(s, yaml)(seqs), seqs)[0] for s in set(SEEDS)}
     lp_a, lp_flipped, lp_nan, lp_b, lp_a_again = engine["logp"]
     assert (lp_a - ours[SEEDS[0]]).abs().max() <= 1e-5
     assert (lp_b - ours[SEEDS[1]]).abs().max() <= 1e-5
@@ -126,7 +137,7 @@ def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, 
     if engines.ep > 1:  # the EP engine's captured routes are the trainer's own top-k but at near-ties
         from tests.e2e.test_route_capture import check_routes
 
-        check_routes(_model(SEEDS[2]), PROMPTS, engine["generated"])
+        check_routes(_model(SEEDS[2], yaml), PROMPTS, engine["generated"])
     if fresh:  # as a freshly started engine on the same weights
         assert (lp_a - engine["fresh"]).abs().max() <= 1e-6
 

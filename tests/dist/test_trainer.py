@@ -230,7 +230,8 @@ def pangu_ref(pangu_dir):
     return reference(pangu_dir)
 
 
-PANGU_LAYOUTS = ("tp2", "ep2", "pp2", "tp2xep2", "pp2xtp2", "dp2_zero3", "tp2xep2_zero3")
+PANGU_LAYOUTS = ("tp2", "ep2", "pp2", "tp2xep2", "pp2xtp2", "ep2_noncontiguous_recompute", "dp2_zero3",
+                 "tp2xep2_zero3", "pp2xdp2_zero3")
 
 
 @pytest.mark.parametrize("name", PANGU_LAYOUTS)

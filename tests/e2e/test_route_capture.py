@@ -43,7 +43,7 @@ def _trainer_routes(model, seq):
     """(live top-k [T, L, k], whether each (token, layer) is clear of a near-tie [T, L])."""
     gaps = []
     hooks = [layer.mlp.gate.register_forward_hook(
-        lambda mod, args, out: gaps.append(torch.softmax(args[0] @ mod.weight.T, -1).topk(mod.top_k + 1).values))
+        lambda mod, args, out: gaps.append(mod.scores(args[0])[1].topk(mod.top_k + 1).values))
         for layer in model.model.layers if layer.is_moe]
     r = Routing(record=True)
     ids = torch.tensor([seq])
