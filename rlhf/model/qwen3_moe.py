@@ -171,7 +171,10 @@ class Experts(nn.Module):
                 gate, up = F.linear(rows[e], gate_up[e]).chunk(2, dim=-1)
                 ys.append(F.linear(F.silu(gate) * up, down[e]))
         if not ys:
-            return x_RH.new_zeros(x_RH.shape) + 0 * self.down_proj.sum()  # keeps the graph for an empty batch
+            # No row for these experts (expert parallelism can send a rank none): zeros still tied to the input
+            # and the weights, so the backward reaches the all-to-all that brought the rows and every rank of
+            # the EP group joins it (with zeros from x_RH.new_zeros the rank skipped it and its peers hung).
+            return x_RH * 0 + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
         return torch.cat(ys)[torch.argsort(order)]
 
 

@@ -75,10 +75,11 @@ def reference(model_dir, mode: RoutingReplay, routes):
 
 
 def worker(rank, layout, model_dir, kw):
+    routes = kw.pop("routes", None)
     tcfg = TrainerConfig(**(TCFG.__dict__ | {"routing_replay": kw.pop("mode")} | kw.pop("tcfg", {})))
     tr = ParallelTrainer(CFG, tcfg, layout, rank, model_dir, **kw)
     rows = list(range(layout.coords(rank).dp, B, layout.dp))
-    mbs = micro_batches(rows, engine_routes())
+    mbs = micro_batches(rows, engine_routes() if routes is None else routes)
     res = {"logp": tr.logprobs(mbs), "rows": rows, "differs": tr.route_differs}
     for step in range(STEPS):
         stats = tr.train_step(mbs, loss_fn)
@@ -134,3 +135,23 @@ def test_replay_in_layout_equals_single_process(mode, name, model_dir, refs):
             for p in res["sharding"].pieces:
                 got = res[what][p.buffer][p.buffer_slices()]
                 assert (got - ref[what][p.param][p.box.slices()]).abs().max() <= TOL, (rank, what, p.param)
+
+
+def test_an_expert_rank_that_receives_no_rows_still_joins_every_collective(model_dir):
+    """Every token routed to experts 4 and 5, both on EP rank 1 (ep2: rank 0 holds experts 0-3): rank 0's
+    experts get no row in any layer or micro-batch, forward or backward; the result equals one process. (The
+    update of a random DeepSeek-V3 policy, whose group-limited router can send one EP rank nothing, hung
+    until the empty expert output stayed tied to its input; tests/e2e/test_rl_run.py runs that case.)"""
+    ids, attn, _ = make_batch()
+    routes = torch.tensor([4, 5], dtype=torch.int16).expand(B, T, L, K).clone()
+    routes[torch.arange(T)[None] >= (attn.sum(1) - 1)[:, None]] = -1
+    ref = reference(model_dir, RoutingReplay.rollout, routes)
+    layout = Layout(dp=2, ep=2)
+    results = run_ranks(worker, layout.world_size, layout, str(model_dir),
+                        {"mode": RoutingReplay.rollout, "routes": routes}, timeout_s=240)
+    for rank, res in enumerate(results):
+        assert abs(res["norm"] - ref["norm"]) <= TOL * max(1.0, ref["norm"]), rank
+        assert (torch.cat([lp for lp, _ in res["logp"]]) - ref["logp"][res["rows"]]).abs().max() <= TOL, rank
+        for p in res["sharding"].pieces:
+            got = res["params"][p.buffer][p.buffer_slices()]
+            assert (got - ref["params"][p.param][p.box.slices()]).abs().max() <= TOL, (rank, p.param)
