@@ -135,3 +135,29 @@ def test_group_limited_routing_picks_only_from_the_best_groups():
     want = scores.gather(1, experts)
     assert torch.allclose(weights, want / want.sum(-1, keepdim=True) * cfg.routed_scaling_factor, atol=1e-6)
     assert torch.equal(experts, live)
+
+
+def test_replaying_routes_through_the_group_limited_router():
+    """Routing replay on the sigmoid router: forcing its own live choice gives the live weights bit for bit;
+    forcing other experts (even outside the best groups) weights them by their live unbiased scores and the
+    router weight still gets a gradient."""
+    from rlhf.model.qwen3_moe import GroupLimitedRouter
+
+    cfg = ds_cfg(num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    router = GroupLimitedRouter(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.5)
+    x = torch.randn(64, cfg.hidden_size, generator=g)
+    w, e, live = router(x)
+    w2, e2, live2 = router(x, live.to(torch.int16))
+    assert torch.equal(w, w2) and torch.equal(e, e2) and torch.equal(live, live2)
+    forced = (live + 4) % 8  # other experts, mostly in groups the live choice dropped
+    forced[:8] = -1  # rows without a route keep the live choice
+    w3, e3, live3 = router(x, forced.to(torch.int16))
+    assert torch.equal(e3[8:], forced[8:]) and torch.equal(e3[:8], live[:8]) and torch.equal(live3, live)
+    scores = torch.sigmoid(x @ router.weight.T).gather(1, e3)
+    assert torch.allclose(w3, scores / scores.sum(-1, keepdim=True) * cfg.routed_scaling_factor, atol=1e-6)
+    w3[:, 0].sum().backward()  # (the sum over k is constant after renormalisation)
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 1e-3
