@@ -4,7 +4,6 @@ failures that reach the driver with role and rank instead of hanging it."""
 import os
 
 import pytest
-import torch
 
 from actors.remote import RoleError, spawn
 from rlhf.config import load_model_config

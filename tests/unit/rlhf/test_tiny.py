@@ -17,7 +17,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 def test_make_tiny_is_deterministic_for_a_seed(tmp_path):
     a = make_tiny(tmp_path / "a", CFG, QUICK, log=lambda m: None)
     b = make_tiny(tmp_path / "b", CFG, QUICK, log=lambda m: None)
-    c = make_tiny(tmp_path / "c", CFG, dataclasses.replace(QUICK, seed=1), log=lambda m: None)
+    make_tiny(tmp_path / "c", CFG, dataclasses.replace(QUICK, seed=1), log=lambda m: None)
     for f in ("model.safetensors", "train.jsonl", "heldout.jsonl", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
