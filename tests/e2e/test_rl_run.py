@@ -110,8 +110,6 @@ def test_pangu_architecture_in_the_loop(tiny, ray_session, tmp_path):
     group-limited routing with a correction bias and a shared expert, trainer dp2 x ep2 resharded into two
     engines every step, exact syncs, trainer/engine parity as tight as Qwen3-MoE's, the engines' expert choices
     the trainer's. Random weights of the architecture (the task files are the tiny fixture's)."""
-    import torch
-
     from rlhf.config import load_model_config
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
     from rlhf.model.hf_io import save_pretrained
@@ -120,11 +118,7 @@ def test_pangu_architecture_in_the_loop(tiny, ray_session, tmp_path):
     d, _ = tiny
     policy = tmp_path / "pangu"
     m = Qwen3MoeForCausalLM(load_model_config(REPO / "configs/model/pangu_moe_tiny.yaml"))
-    m.init_weights(seed=3, std=0.05)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+    m.init_weights(seed=3, std=0.05, router_bias_std=0.1)
     save_tokenizer(build_tokenizer(m.config.vocab_size), policy)
     save_pretrained(m, policy)
     cfg = load_run_config(REPO / "configs/tiny_cpu_pangu.yaml", [

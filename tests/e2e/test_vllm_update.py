@@ -209,12 +209,7 @@ def test_prefix_cached_prompt_follows_an_update(tmp_path):
 
 def _pangu(seed):
     m = Qwen3MoeForCausalLM(load_model_config(os.path.join(CONFIGS, "model", "pangu_moe_tiny.yaml"))).eval()
-    m.init_weights(seed, std=0.1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("e_score_correction_bias"):  # a trained router's bias moves the choice
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    m.init_weights(seed, std=0.1, router_bias_std=0.3)  # a trained router's bias moves the choice
     return m
 
 

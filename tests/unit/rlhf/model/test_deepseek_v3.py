@@ -10,6 +10,7 @@ import transformers
 from rlhf.model.hf_io import from_hf_tensors, iter_safetensors, load_config, load_pretrained, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig, RopeScaling, RouterScoring
+from tests.unit.rlhf.model.test_qwen3_moe import assert_logits_equal
 
 MLA = MLAConfig(q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
 YARN = RopeScaling(factor=40.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
@@ -39,12 +40,8 @@ def ds_cfg(**kw) -> ModelConfig:
 
 def _model(cfg, seed=7):
     model = Qwen3MoeForCausalLM(cfg).eval()
-    model.init_weights(seed=seed, std=0.2)  # large weights: routing and attention far from uniform
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):  # a trained router's bias moves the choice
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    # large weights: routing and attention far from uniform; a nonzero bias, as a trained router's, moves the choice
+    model.init_weights(seed=seed, std=0.2, router_bias_std=0.3)
     return model
 
 
@@ -58,17 +55,7 @@ def test_logits_equal_transformers(tmp_path, case):
     theirs.eval()
     assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert set(theirs.state_dict()) == set(ours.state_dict()), "parameter names differ from transformers'"
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (3, 13), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding
-    mask[2, :2] = 0
-    with torch.no_grad():
-        assert (ours(ids) - theirs(ids).logits).abs().max().item() <= 1e-5
-        diff = (ours(ids, mask) - theirs(ids, attention_mask=mask).logits)[mask.bool()]
-        assert diff.abs().max().item() <= 1e-5
+    assert_logits_equal(ours, theirs, cfg.vocab_size)
 
 
 def test_config_round_trips_and_the_model_reloads_bit_exactly(tmp_path):
@@ -116,16 +103,21 @@ def test_gradients_flow_to_every_trained_parameter_and_the_router_bias_is_frozen
     assert frozen == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
 
 
-def test_group_limited_routing_picks_only_from_the_best_groups():
+def _router(seed: int, tokens: int):
+    """A group-limited router (8 experts in 4 groups, top-2 from the best 2) with random weights and bias."""
     from rlhf.model.qwen3_moe import GroupLimitedRouter
 
     cfg = ds_cfg(num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
     router = GroupLimitedRouter(cfg)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))
         router.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.5)
-    x = torch.randn(200, cfg.hidden_size, generator=g)
+    return cfg, router, torch.randn(tokens, cfg.hidden_size, generator=g)
+
+
+def test_group_limited_routing_picks_only_from_the_best_groups():
+    cfg, router, x = _router(3, 200)
     weights, experts, live = router(x)
     choice = torch.sigmoid(x @ router.weight.T) + router.e_score_correction_bias
     group_score = choice.view(200, 4, 2).sum(-1)  # two experts per group: its two best are both
@@ -141,15 +133,7 @@ def test_replaying_routes_through_the_group_limited_router():
     """Routing replay on the sigmoid router: forcing its own live choice gives the live weights bit for bit;
     forcing other experts (even outside the best groups) weights them by their live unbiased scores and the
     router weight still gets a gradient."""
-    from rlhf.model.qwen3_moe import GroupLimitedRouter
-
-    cfg = ds_cfg(num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
-    router = GroupLimitedRouter(cfg)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
-        router.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.5)
-    x = torch.randn(64, cfg.hidden_size, generator=g)
+    cfg, router, x = _router(5, 64)
     w, e, live = router(x)
     w2, e2, live2 = router(x, live.to(torch.int16))
     assert torch.equal(w, w2) and torch.equal(e, e2) and torch.equal(live, live2)

