@@ -39,6 +39,7 @@ class UpdateStats:
     kl: float
     entropy: float
     tokens: float
+    router_bias_abs_max: float = 0.0  # largest |correction bias| of this rank's sigmoid routers after the update
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class TrainerWorker(PolicyWorker):
         n = max(record.tokens, 1.0)
         stats = UpdateStats(loss=sum(losses) / len(losses), grad_norm=max(norms), optimizer_steps=len(losses),
                             lr=out["lr"], clip_fraction=record.clip_fraction / n, ratio_mean=record.ratio / n,
-                            kl=record.kl / n, entropy=record.entropy / n, tokens=record.tokens)
+                            kl=record.kl / n, entropy=record.entropy / n, tokens=record.tokens,
+                            router_bias_abs_max=self.trainer.router_bias_abs_max())
         router = self.trainer.router_stats()  # a collective over the stage: every rank calls it
         # every rank reports its own token-weighted sums; the driver combines DP ranks
         logprobs = None

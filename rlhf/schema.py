@@ -256,6 +256,10 @@ class TrainerConfig:
     # Routing replay: the selected experts are forced, their weights still the live router's (so the router
     # keeps its gradient). `rollout` needs the engines' routes (rollout.capture_routes, then implied).
     routing_replay: RoutingReplay = RoutingReplay.off
+    # Sigmoid routers (pangu_moe): after each optimizer step every expert's correction bias moves by this much,
+    # down if the expert got more than the mean tokens, up if fewer (DeepSeek-V3's auxiliary-loss-free
+    # balancing; it used 0.001). 0: the bias stays as loaded.
+    router_bias_update_rate: float = 0.0
 
 
 class DeviceType(Enum):

@@ -139,6 +139,13 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("algorithm.kl_coef", a.kl_coef, "must be >= 0"))
     if t.lr <= 0:
         p.append(Problem("trainer.lr", t.lr, "must be > 0"))
+    if t.router_bias_update_rate < 0:
+        p.append(Problem("trainer.router_bias_update_rate", t.router_bias_update_rate, "must be >= 0 (0: the "
+                         "router's correction bias stays as loaded)"))
+    elif t.router_bias_update_rate > 0 and cfg.model.router_scoring is not RouterScoring.sigmoid:
+        p.append(Problem("trainer.router_bias_update_rate", t.router_bias_update_rate, "moves a sigmoid router's "
+                         f"correction bias; model {cfg.model.name} has a {cfg.model.router_scoring.value} router "
+                         "with none: set it to 0"))
     if t.lr_warmup_steps < 0:
         p.append(Problem("trainer.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0 (0: no warmup)"))
     if cfg.rollout.max_num_seqs < 0:

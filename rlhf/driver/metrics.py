@@ -68,6 +68,9 @@ def update_metrics(updates: list[UpdateReply]) -> dict[str, float]:
     first = per_rank[0]
     out |= {"actor/loss": first.loss, "actor/grad_norm": first.grad_norm,
             "actor/optimizer_steps": first.optimizer_steps, "actor/lr": first.lr}
+    bias = max(s.router_bias_abs_max for s in per_rank)
+    if bias:  # sigmoid routers whose correction bias trainer.router_bias_update_rate moves
+        out["expert_load/router_bias_abs_max"] = bias
     return out
 
 

@@ -11,7 +11,9 @@ its experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, the
 `rlhf.model.hf_io` converts between the two.
 
 Each forward records, per MoE layer, how many (valid) tokens were routed to each expert
-(`router_stats()`), for expert-load metrics, expert placement and the simulator. A `Routing`
+(`router_stats()`), for expert-load metrics, expert placement and the simulator; training forwards
+also add them up per optimizer step (`record_loads`), for the sigmoid router's bias update
+(`router_bias_update`). A `Routing`
 (`rlhf.routing`) given to the forward forces, records or compares each layer's expert choice
 (routing replay).
 
@@ -106,6 +108,25 @@ class Router(nn.Module):
         return weights_Sk.to(x_SH.dtype), experts_Sk, live_Sk
 
 
+def record_loads(block: nn.Module, chosen: torch.Tensor) -> None:
+    """An MoE block's token counts per expert for the experts `chosen` in this forward: `last_tokens_per_expert`,
+    and added to `step_tokens_per_expert` when this is a training forward (gradients on, and not activation
+    recompute, which reruns the forward inside the backward), so an optimizer step counts each token once."""
+    with torch.no_grad():
+        counts = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
+    block.last_tokens_per_expert = counts
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        step = block.step_tokens_per_expert
+        block.step_tokens_per_expert = counts if step is None else step + counts
+
+
+def router_bias_update(bias_E: torch.Tensor, loads_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after a step, each expert's correction bias moves by `rate`
+    toward balance, down when it received more tokens than the mean, up when fewer (unchanged at the mean)."""
+    loads = loads_E.double()
+    return bias_E + (rate * torch.sign(loads.mean() - loads)).to(bias_E.dtype)
+
+
 class GroupLimitedRouter(nn.Module):
     """DeepSeek-V3's router: sigmoid scores; the choice adds a per-expert correction bias (a balancing
     term, not trained by gradients) and keeps only the `topk_group` groups of experts whose two best biased
@@ -191,6 +212,7 @@ class SparseMoE(nn.Module):
         self.num_experts = cfg.num_experts
         self.moe_index = moe_index  # this block's place among the MoE layers (routes are indexed by it)
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.step_tokens_per_expert: torch.Tensor | None = None  # summed over an optimizer step's forwards
 
     def forward(self, x_BTH, valid_BT=None, routing: Routing | None = None):
         B, T, H = x_BTH.shape
@@ -201,9 +223,7 @@ class SparseMoE(nn.Module):
             i = self.moe_index
             weights_Sk, experts_Sk, live_Sk = self.gate(x_SH, routing.layer(routing.forced_BTLk, i))
             observe(routing, i, live_Sk, routing.layer(routing.engine_BTLk, i))
-        with torch.no_grad():
-            chosen = experts_Sk if valid_BT is None else experts_Sk[valid_BT.reshape(-1)]
-            self.last_tokens_per_expert = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        record_loads(self, experts_Sk if valid_BT is None else experts_Sk[valid_BT.reshape(-1)])
         y_SH = self.experts(x_SH, experts_Sk, weights_Sk)
         if hasattr(self, "shared_experts"):
             y_SH = y_SH + self.shared_experts(x_SH)

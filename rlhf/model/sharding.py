@@ -17,9 +17,9 @@ With `zero_stage=3` (sharded data parallelism, FSDP2's layout) every parameter t
 copies on several ranks is further split by rows (dim 0) over those ranks: the DP group for
 attention, dense MLPs, norms, embedding and lm_head; the expert-replica group for routed experts (a
 stacked expert buffer splits by whole experts). Router and q/k norms (gradients summed over the
-whole stage, a few KB) stay replicated. Rank i of a group of n holds rows [i*c, min((i+1)*c, d0)),
-c = ceil(d0 / n): its own box of the HF tensor, so the resharding layer sends each destination its
-slices straight from the rank that owns them.
+whole stage, a few KB) and the sigmoid router's correction bias stay replicated. Rank i of a group of
+n holds rows [i*c, min((i+1)*c, d0)), c = ceil(d0 / n): its own box of the HF tensor, so the resharding
+layer sends each destination its slices straight from the rank that owns them.
 
 `trainer_shard_spec` turns these rules into a `ShardSpec` in canonical HF names: the contract between
 the parallel trainer (which loads its slices with `weight_sync.pieces`) and the resharding planner.
@@ -162,10 +162,11 @@ def _rank_buffers_and_pieces(cfg, dense, expert_prefixes, t: int, tp: int, local
 
 def zero3_axis(name: str) -> str | None:
     """The group a parameter's rows are split over under zero_stage=3: its gradient group, except for
-    the stage-reduced parameters (router, q/k norms), which stay whole."""
+    the stage-reduced parameters (router, q/k norms) and the router's correction bias (updated whole by
+    `trainer.router_bias_update_rate`), which stay whole."""
     if split_of(name) is Split.experts:
         return "expert_replica"
-    return None if grad_reduced_over_stage(name) else "dp"
+    return None if grad_reduced_over_stage(name) or name.endswith(".e_score_correction_bias") else "dp"
 
 
 def shard_rows(d0: int, n: int, i: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE, record_loads
 from rlhf.routing import Routing, observe
 from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, is_frozen, split_of
 from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_rows, gather_from_group, reduce_from_group, split_to_group
@@ -54,6 +54,7 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("local_index", local_index, persistent=False)
         self.dispatcher = dispatcher
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.step_tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x_BTH, valid_BT=None, routing: Routing | None = None):
         B, T, H = x_BTH.shape
@@ -75,8 +76,7 @@ class ExpertParallelMoE(nn.Module):
             weights_Sk, experts_Sk, live_Sk = self.gate(x_loc, forced)
             observe(routing, i, live_Sk, engine,
                     lambda t: gather_rows(t, self.groups.tp)[:S])
-        with torch.no_grad():
-            self.last_tokens_per_expert = torch.bincount(experts_Sk[valid_loc].reshape(-1), minlength=self.num_experts)
+        record_loads(self, experts_Sk[valid_loc])
         k = experts_Sk.shape[1]
         y_rows = self.dispatcher.run(x_loc, self.shard_of[experts_Sk], self.local_index[experts_Sk],
                                      self.experts.forward_rows)

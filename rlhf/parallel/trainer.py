@@ -23,7 +23,7 @@ from rlhf.batch import MicroBatch
 from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
-from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.model.sharding import Split, TrainerSharding, is_frozen, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
@@ -94,6 +94,7 @@ class ParallelTrainer:
         # per micro-batch of the last measured forward: (batch rows, MoE layers that chose another expert set
         # than the engine, per token [B, T], summed over the pipeline stages)
         self.route_differs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.step_loads: torch.Tensor | None = None  # tokens per expert of the last optimizer step, summed over the stage
 
     def _shard_parameters(self, stage_split) -> None:
         """zero_stage=3: the loaded row shards become parameters gathered by each unit's forward."""
@@ -199,6 +200,8 @@ class ParallelTrainer:
         self.model.train()
         score = self._score(temperature)
         micro_batches = self._routed(micro_batches, first)
+        for block in self._moe_blocks():
+            block.step_tokens_per_expert = None
         for p in self.trained.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -219,6 +222,7 @@ class ParallelTrainer:
         grad_norm = self.clip_grads(self.tcfg.grad_clip)
         self.optimizer.set_lr(self.current_lr())
         self.optimizer.step()
+        self._balance_router_bias()
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
         # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
         loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
@@ -370,10 +374,37 @@ class ParallelTrainer:
                 p.copy_(sd[name])
         self.optimizer.load_state_tensors({k[len("optim/"):]: t for k, t in sd.items() if k.startswith("optim/")})
 
+    def _moe_blocks(self) -> list:
+        return [self.model.model.layers[i].mlp for i in self.stages[self.stage] if self.model.model.layers[i].is_moe]
+
+    def _balance_router_bias(self) -> None:
+        """After an optimizer step: its tokens per expert summed over the stage (`step_loads`, every rank of
+        the stage the same), and with `router_bias_update_rate` > 0 each sigmoid router's correction bias
+        moved toward balance (`router_bias_update`): the same update on every copy of it."""
+        blocks = self._moe_blocks()
+        rows = [b.step_tokens_per_expert if b.step_tokens_per_expert is not None
+                else torch.zeros(self.cfg.num_experts, dtype=torch.long) for b in blocks]
+        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
+        self.step_loads = all_reduce(stats, self.groups.stage)
+        rate = self.tcfg.router_bias_update_rate
+        if rate > 0:
+            with torch.no_grad():
+                for block, loads in zip(blocks, self.step_loads):
+                    bias = block.gate.e_score_correction_bias
+                    bias.copy_(router_bias_update(bias, loads, rate))
+
+    def router_bias_abs_max(self) -> float:
+        """The largest |correction bias| on this stage (0 for softmax routers): what the bias update has done."""
+        biases = [b.gate.e_score_correction_bias.abs().max() for b in self._moe_blocks()
+                  if hasattr(b.gate, "e_score_correction_bias")]
+        return float(max(biases)) if biases else 0.0
+
     def router_stats(self) -> torch.Tensor:
-        """Tokens per expert per MoE layer of this stage's last forward, summed over the stage."""
-        rows = [self.model.model.layers[i].mlp.last_tokens_per_expert for i in self.stages[self.stage]
-                if self.model.model.layers[i].is_moe]
+        """Tokens per expert per MoE layer of this stage, summed over the stage: those of the last optimizer
+        step's forwards after an update (no collective then), else of the last forward (a collective)."""
+        if self.step_loads is not None:
+            return self.step_loads
+        rows = [b.last_tokens_per_expert for b in self._moe_blocks()]
         stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
         return all_reduce(stats, self.groups.stage)
 

@@ -6,7 +6,7 @@ import torch
 
 from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig, RouterScoring, TrainerConfig
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
-from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.parallel.launch import run_ranks
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
@@ -53,7 +53,7 @@ def micro_batches(ids, attn, adv, rows):
             for i in range(0, len(rows), MB)]
 
 
-def reference(model_dir):
+def reference(model_dir, router_bias_update_rate=0.0):
     from rlhf.model.hf_io import load_pretrained
 
     model = load_pretrained(model_dir)
@@ -64,8 +64,11 @@ def reference(model_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=TCFG.lr, betas=TCFG.betas, eps=TCFG.adam_eps,
                             weight_decay=TCFG.weight_decay)
     out = {"logp": logp}
+    blocks = [layer.mlp for layer in model.model.layers[:model.config.num_hidden_layers] if layer.is_moe]
     for step in range(STEPS):
         opt.zero_grad()
+        for block in blocks:
+            block.step_tokens_per_expert = None
         for m in mbs:
             lp, ent = token_logprobs(model(m.input_ids_BT, m.attention_mask_BT), m.input_ids_BT)
             loss_fn(lp, ent, m).backward()
@@ -75,6 +78,12 @@ def reference(model_dir):
                                                if p.grad is not None}, model.config))
             out["norm"] = float(norm)
         opt.step()
+        out["loads"] = torch.stack([b.step_tokens_per_expert for b in blocks])
+        with torch.no_grad():
+            for b in blocks:
+                if router_bias_update_rate:
+                    bias = b.gate.e_score_correction_bias
+                    bias.copy_(router_bias_update(bias, b.step_tokens_per_expert, router_bias_update_rate))
     out["params"] = dict(to_hf_tensors({n: p.detach().clone() for n, p in model.state_dict().items()}, model.config))
     return out
 
@@ -91,6 +100,8 @@ def worker(rank, layout, model_dir, kw):
         if step == 0:
             res["norm"] = stats["grad_norm"]
             res["grads"] = {n: p.grad.clone() for n, p in tr.trained.items()}
+    res["loads"] = tr.router_stats().clone()
+    res["moe_layers"] = [i - tr.cfg.first_k_dense_layers for i in tr.stages[tr.stage] if i >= tr.cfg.first_k_dense_layers]
     before = {n: p.detach().clone() for n, p in tr.params.items()}
     state_before = [t.clone() for t in tr.optimizer.owned_tensors()]
     freed = tr.offload()
@@ -238,3 +249,24 @@ def test_pangu_layout_equals_single_process(name, pangu_dir, pangu_ref):
     check_against_reference(results, layout, pangu_ref)
     frozen = [n for n in pangu_ref["params"] if "e_score_correction_bias" in n or n.startswith("model.layers.4.")]
     assert frozen and all(n not in pangu_ref["grads"] for n in frozen)
+
+
+def test_router_bias_update_equals_single_process(pangu_dir):
+    """trainer.router_bias_update_rate: each step's tokens per expert (counted once per token, recompute
+    included) move every copy of the correction bias the same way as one process does: the biases, the
+    routing they change and the AdamW steps after them equal one process within 1e-5."""
+    rate = 0.05
+    ref = reference(pangu_dir, router_bias_update_rate=rate)
+    initial = Qwen3MoeForCausalLM(PANGU)
+    initial.init_weights(seed=12, std=0.2, router_bias_std=0.3)
+    biases = [n for n in ref["params"] if n.endswith("e_score_correction_bias") and "layers.4." not in n]  # not MTP's
+    assert len(biases) == 3 and all((ref["params"][n] - initial.state_dict()[n]).abs().max() > rate / 2 for n in biases)
+    _, attn, _ = make_batch()
+    assert (ref["loads"].sum(1) == attn.sum() * PANGU.num_experts_per_tok).all()
+    for name in ("ep2_noncontiguous_recompute", "pp2xtp2", "tp2xep2_zero3"):
+        layout, kw = LAYOUTS[name]
+        kw = dict(kw, tcfg=dict(kw.get("tcfg", {}), router_bias_update_rate=rate))
+        results = run_ranks(worker, layout.world_size, layout, str(pangu_dir), dict(kw, cfg=PANGU), timeout_s=240)
+        check_against_reference(results, layout, ref)
+        for r in results:  # each stage's MoE layers: the stage's tokens summed over its ranks, as one process counted
+            assert torch.equal(r["loads"], ref["loads"][r["moe_layers"]]), name

@@ -27,6 +27,15 @@ def test_bad_routing_rope_and_latent_sizes_are_refused_naming_the_key(overrides,
         load_run_config(PANGU, overrides)
 
 
+def test_router_bias_update_rate_is_refused_when_negative_or_without_a_sigmoid_router():
+    assert load_run_config(PANGU, ["trainer.router_bias_update_rate=0.001"]).trainer.router_bias_update_rate == 0.001
+    with pytest.raises(ConfigError, match="trainer.router_bias_update_rate = -0.1: must be >= 0"):
+        load_run_config(PANGU, ["trainer.router_bias_update_rate=-0.1"])
+    tiny = PANGU.parent / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="has a softmax router with none: set it to 0"):
+        load_run_config(tiny, ["trainer.router_bias_update_rate=0.001"])
+
+
 def test_make_tiny_names_the_models_it_knows_and_refuses_a_bad_learning_rate(tmp_path, capsys):
     assert main(["make-tiny", str(tmp_path / "x"), "--model", "nosuch"]) != 0
     err = capsys.readouterr().err

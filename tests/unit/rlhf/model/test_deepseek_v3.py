@@ -145,3 +145,41 @@ def test_replaying_routes_through_the_group_limited_router():
     assert torch.allclose(w3, scores / scores.sum(-1, keepdim=True) * cfg.routed_scaling_factor, atol=1e-6)
     w3[:, 0].sum().backward()  # (the sum over k is constant after renormalisation)
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 1e-3
+
+
+def test_router_bias_update_moves_the_choice_toward_balance():
+    """DeepSeek-V3's auxiliary-loss-free update: overloaded experts' bias down by the rate, underloaded up, an
+    expert at the mean unchanged; repeated, it spreads a skewed router's tokens over more experts."""
+    from rlhf.model.qwen3_moe import router_bias_update
+
+    bias = torch.tensor([0.0, 0.1, -0.2, 0.0])
+    new = router_bias_update(bias, torch.tensor([10, 2, 4, 0]), 0.01)
+    assert torch.allclose(new, torch.tensor([-0.01, 0.11, -0.2, 0.01]))
+    cfg, router, x = _router(7, 512)
+    with torch.no_grad():
+        router.e_score_correction_bias.zero_()
+        u = torch.ones(cfg.hidden_size) / cfg.hidden_size ** 0.5
+        x += 2 * u
+        router.weight[:2] += 2 * u  # experts 0 and 1 (group 0) chosen by most tokens
+    loads = torch.bincount(router(x)[1].flatten(), minlength=8)
+    before = loads.max() / loads.float().mean()
+    for _ in range(100):
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(router_bias_update(router.e_score_correction_bias, loads, 0.01))
+        loads = torch.bincount(router(x)[1].flatten(), minlength=8)
+    assert before > 1.5 and loads.max() / loads.float().mean() < 0.8 * before, (before, loads)
+
+
+def test_a_training_forward_counts_each_token_once_and_recompute_does_not_count_again():
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = ds_cfg(n_group=4, topk_group=2)
+    model = _model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 10))
+    with torch.no_grad():
+        model(ids)  # an evaluation forward: not part of a step
+    blocks = [l.mlp for l in model.model.layers[:cfg.num_hidden_layers] if l.is_moe]
+    assert all(b.step_tokens_per_expert is None for b in blocks)
+    checkpoint(model, ids, use_reentrant=False).logsumexp(-1).mean().backward()  # reruns every forward
+    model(ids).sum()
+    assert all((b.step_tokens_per_expert.sum() == 2 * ids.numel() * cfg.num_experts_per_tok) for b in blocks)
