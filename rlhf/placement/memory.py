@@ -33,7 +33,7 @@ def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spe
     lay, il = trainer_layout(cfg.trainer), inference_layout(cfg.rollout)
     W = lay.world_size
     src = trainer_spec if trainer_spec is not None else trainer_shard_spec(m, lay, zero_stage=cfg.trainer.zero_stage)
-    dst = engine_spec if engine_spec is not None else engine_shard_spec(m, il, rank_offset=W)
+    dst = engine_spec if engine_spec is not None else engine_shard_spec(m, il, rank_offset=W, include_mtp=False)
     pbytes, rbytes = DTYPE_BYTES[m.dtype.value], DTYPE_BYTES[cfg.rollout.dtype.value]
     expert_replicas = lay.plane // lay.expert_shards
     out: dict[int, dict[str, int]] = {d: {} for d in dm.used_devices()}

@@ -95,9 +95,11 @@ class SyncLayout:
 
 @lru_cache(maxsize=4)
 def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
-    """The trainer's and the engines' shard specs of a sync layout, built once per (equal) layout."""
+    """The trainer's and the engines' shard specs of a sync layout, built once per (equal) layout. The engines
+    hold no MTP modules (vLLM loads them only as a speculative-decoding draft, which rollouts do not run), so
+    none are sent; the trainer carries them unchanged into checkpoints and exports."""
     return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage),
-            engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size))
+            engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False))
 
 
 def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> SyncLayout:

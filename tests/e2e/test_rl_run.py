@@ -109,23 +109,36 @@ def test_pangu_architecture_in_the_loop(tiny, ray_session, tmp_path):
     """The DeepSeek-V3 / Pangu architecture through the whole loop (configs/tiny_cpu_pangu.yaml): MLA, sigmoid
     group-limited routing with a correction bias and a shared expert, trainer dp2 x ep2 resharded into two
     engines every step, exact syncs, trainer/engine parity as tight as Qwen3-MoE's, the engines' expert choices
-    the trainer's. Random weights of the architecture (the task files are the tiny fixture's)."""
+    the trainer's while the auxiliary-loss-free update moves the correction bias every step (a bias the engines
+    did not get would route otherwise). Random weights of the architecture (the task files are the tiny
+    fixture's). The policy carries an MTP module: never sent to the engines (vLLM holds none without speculative
+    decoding), kept unchanged in the exported model."""
+    from dataclasses import replace
+
+    import torch
+
     from rlhf.config import load_model_config
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
-    from rlhf.model.hf_io import save_pretrained
+    from rlhf.model.hf_io import iter_safetensors, save_pretrained
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 
     d, _ = tiny
     policy = tmp_path / "pangu"
-    m = Qwen3MoeForCausalLM(load_model_config(REPO / "configs/model/pangu_moe_tiny.yaml"))
+    m = Qwen3MoeForCausalLM(replace(load_model_config(REPO / "configs/model/pangu_moe_tiny.yaml"), num_mtp_layers=1))
     m.init_weights(seed=3, std=0.05, router_bias_std=0.1)
     save_tokenizer(build_tokenizer(m.config.vocab_size), policy)
     save_pretrained(m, policy)
     cfg = load_run_config(REPO / "configs/tiny_cpu_pangu.yaml", [
-        *_overrides(d, tmp_path / "run", "steps=3", "eval_every=100", "checkpoint.export_hf=false",
-                    "rollout.capture_routes=true"), f"model.path={policy}"])
+        *_overrides(d, tmp_path / "run", "steps=3", "eval_every=100", "model.num_mtp_layers=1",
+                    "rollout.capture_routes=true", "trainer.router_bias_update_rate=0.05"), f"model.path={policy}"])
     result = train(cfg)
     assert result["steps_run"] == 3 and result["syncs"] == 3
+    steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    moved = [m["expert_load/router_bias_abs_max"] for m in steps]
+    assert all(0 < b for b in moved) and len(set(moved)) > 1, moved
+    exported = dict(iter_safetensors(result["hf_export"]))
+    mtp = [n for n in exported if n.startswith("model.layers.3.")]
+    assert mtp and all(torch.equal(exported[n], m.state_dict()[n]) for n in mtp if n in m.state_dict())
     assert result["sync_bytes_per_engine_rank"] == result["sync_bytes_minimal_per_engine_rank"]
     assert result["parity_mean_abs_diff_max"] < 1e-5 and result["parity_max_abs_diff"] < 2e-2
     assert result["parity_p99_abs_diff_max"] < 1e-4 and result["parity_violations"] == 0
