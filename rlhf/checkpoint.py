@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from rlhf.errors import ConfigError
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import from_hf_tensors, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -261,13 +262,13 @@ def resolve_resume(root: str | Path, resume: str) -> Path | None:
     if not p.is_dir() and not p.is_absolute() and (root / p).is_dir():
         p = root / p
     if not p.is_dir():
-        raise ValueError(f"checkpoint.resume={resume!r}: no such directory; use never, auto or a step directory "
+        raise ConfigError(f"checkpoint.resume={resume!r}: no such directory; use never, auto or a step directory "
                          f"({choices})")
     if not is_complete(p):
         if _step_dirs(p):
-            raise ValueError(f"checkpoint.resume={resume!r} is a checkpoint root, not a step directory; use "
+            raise ConfigError(f"checkpoint.resume={resume!r} is a checkpoint root, not a step directory; use "
                              f"checkpoint.resume=auto with checkpoint.dir={p}, or one of its step directories")
-        raise ValueError(f"checkpoint.resume={resume!r} has no {COMPLETE} marker: its save did not finish (the "
+        raise ConfigError(f"checkpoint.resume={resume!r} has no {COMPLETE} marker: its save did not finish (the "
                          f"run stopped mid-save?); pick a complete one or use auto ({choices})")
     return p
 

@@ -138,6 +138,29 @@ def _merge(base: DictConfig, update: Any, source: str) -> DictConfig:
         return OmegaConf.merge(base, update)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{source}: {_describe(e, base)}") from None
+    except TypeError:  # OmegaConf names no key for a mapping given where a list belongs, or the reverse
+        key, want, got = _container_clash(base, update)
+        raise ConfigError(f"{source}: {key}: expected a {want}, got a {got}") from None
+
+
+def _container_clash(base: Any, update: Any, prefix: str = "") -> tuple[str, str, str]:
+    """The first key where `update` holds a mapping and `base` a list, or the reverse: (key, wanted, given)."""
+    def kind(v):
+        if isinstance(v, dict) or OmegaConf.is_dict(v):
+            return "mapping"
+        # lists, tuples and OmegaConf's list-like nodes (ListConfig, TupleConfig)
+        return "list" if hasattr(v, "__len__") and not isinstance(v, (str, bytes)) else None
+    if isinstance(update, dict) and isinstance(base, DictConfig):
+        for k, v in update.items():
+            key = f"{prefix}{k}"
+            b = base.get(k) if k in base else None
+            if kind(b) and kind(v) and kind(b) != kind(v):
+                return key, kind(b), kind(v)
+            if isinstance(v, dict) and isinstance(b, DictConfig):
+                found = _container_clash(b, v, f"{key}.")
+                if found[0] != "?":
+                    return found
+    return "?", "value of another kind", "mapping or list"
 
 
 def _describe(e: OmegaConfBaseException, base: DictConfig | None = None) -> str:

@@ -96,6 +96,9 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.num_engines", r.num_engines, "must be >= 1"))
     if r.max_new_tokens <= 0:
         p.append(Problem("rollout.max_new_tokens", r.max_new_tokens, "must be >= 1"))
+    elif r.max_new_tokens >= cfg.model.max_position_embeddings:
+        p.append(Problem("rollout.max_new_tokens", r.max_new_tokens, "must be less than model.max_position_embeddings="
+                         f"{cfg.model.max_position_embeddings}, leaving room for the prompt in the engines' context"))
     if not 0.0 < r.top_p <= 1.0:
         p.append(Problem("rollout.top_p", r.top_p, "must be in (0, 1]"))
     if r.temperature < 0:

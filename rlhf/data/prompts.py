@@ -1,7 +1,8 @@
 """Prompt datasets from jsonl or parquet files: rows with a prompt and a reference answer.
 
-A malformed row (bad JSON, missing or non-string field) raises with the file and line (row for
-parquet), unless `skip_bad_rows` is set, in which case it is skipped and counted.
+A malformed row (not UTF-8, bad JSON, missing or non-string field) raises with the file and line (row
+for parquet), unless `skip_bad_rows` is set, in which case it is skipped and counted; so does a prompt
+that leaves no room for the answer in the model's context (`fit_context`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 class DatasetError(ValueError):
@@ -35,26 +36,36 @@ class PromptSet:
 def _records(path: Path) -> Iterator[tuple[int, object]]:
     """(line or row number from 1, decoded record or the exception that decoding raised)."""
     if path.suffix == ".jsonl":
-        with path.open() as f:
-            for i, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for i, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield i, DatasetError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     yield i, json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield i, e
+                    yield i, DatasetError(f"not valid JSON ({e})")
     elif path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, rec in enumerate(pq.read_table(path).to_pylist(), 1):
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(f"{path}: not a readable parquet file ({e}); write it again or use .jsonl") from None
+        for i, rec in enumerate(table.to_pylist(), 1):
             yield i, rec
     else:
         raise DatasetError(f"{path}: unsupported prompt file type {path.suffix!r}; use .jsonl or .parquet")
 
 
 def _row(rec: object, prompt_key: str, answer_key: str) -> tuple[str, str]:
-    if isinstance(rec, Exception):
-        raise DatasetError(f"not valid JSON ({rec})")
+    if isinstance(rec, DatasetError):
+        raise rec
     if not isinstance(rec, dict):
         raise DatasetError(f"expected an object with '{prompt_key}' and '{answer_key}', got {type(rec).__name__}")
     for key in (prompt_key, answer_key):
@@ -93,3 +104,22 @@ def load_prompts(
     if not rows:
         raise DatasetError(f"no usable rows in {[str(f) for f in files]} ({skipped} skipped)")
     return PromptSet(tuple(rows), skipped)
+
+
+def fit_context(prompts: PromptSet, encode: Callable[[str], int], limit: int, what: str, skip_bad_rows: bool) -> PromptSet:
+    """The rows whose prompt, `encode`d to its token count, is at most `limit` tokens (the model's context
+    less the answer's tokens). A longer one raises naming its row and what to change, or with
+    `skip_bad_rows` is skipped and counted."""
+    kept, skipped = [], prompts.skipped
+    for row in prompts.rows:
+        n = encode(row.prompt)
+        if n <= limit:
+            kept.append(row)
+        elif skip_bad_rows:
+            skipped += 1
+        else:
+            raise DatasetError(f"{row.source}: the prompt is {n} tokens, more than the {limit} that {what} leaves; "
+                               "shorten it, or set data.skip_bad_rows=true to skip such rows")
+    if not kept:
+        raise DatasetError(f"no prompt fits in {limit} tokens ({what}); {skipped} rows skipped")
+    return PromptSet(tuple(kept), skipped)

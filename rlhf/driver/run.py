@@ -22,7 +22,7 @@ from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
                              rng_state, set_rng_state, step_dir)
 from rlhf.config.load import as_dict
-from rlhf.data.prompts import PromptRow, load_prompts
+from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.driver.metrics import progress_fields, step_metrics
@@ -60,8 +60,20 @@ class RunInputs:
         model_dir = str(check_model_dir(cfg.model))
         dm = device_map(cfg)
         d = cfg.data
-        train_rows = load_prompts(d.train_files, d.prompt_key, d.answer_key, d.skip_bad_rows)
-        heldout = load_prompts(d.heldout_files, d.prompt_key, d.answer_key, d.skip_bad_rows).rows
+        tokenizer = load_tokenizer(model_dir)
+        # the engines' context is the model's positions; each prompt must leave room for the longest answer
+        limit = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+        what = (f"model.max_position_embeddings={cfg.model.max_position_embeddings} less "
+                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+
+        def prompts(key: str):
+            try:
+                rows = load_prompts(getattr(d, key), d.prompt_key, d.answer_key, d.skip_bad_rows)
+                return fit_context(rows, lambda p: len(tokenizer.encode(p).ids), limit, what, d.skip_bad_rows)
+            except DatasetError as e:
+                raise DatasetError(f"data.{key}: {e}") from None
+
+        train_rows, heldout = prompts("train_files"), prompts("heldout_files").rows
         c = cfg.checkpoint
         resume_dir = resolve_resume(Path(c.dir), c.resume)
         problem = (fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)
@@ -81,7 +93,7 @@ class RunInputs:
             if rel:
                 log(f"warning: {', '.join(rel)} relative in a Ray job: written into the job's temporary copy of "
                     "the working dir and lost when it ends; pass absolute paths")
-        return RunInputs(model_dir, dm, load_tokenizer(model_dir),
+        return RunInputs(model_dir, dm, tokenizer,
                          PromptSampler(train_rows.rows, d.prompts_per_step, cfg.seed, d.shuffle), heldout, sync,
                          plan, same_device, resume_dir, out)
 

@@ -267,19 +267,98 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
 _NOT_SHAPE = {"name", "path"}
 
 
-def check_model_dir(model: ModelConfig) -> Path:
-    """The configured policy directory (`model.path`) exists and holds the configured shape."""
+def check_model_dir(model: ModelConfig, tokenizer: bool = True) -> Path:
+    """The configured policy directory (`model.path`) exists and holds the configured shape: a readable
+    config.json of that shape, safetensors files (headers only) that are whole and hold exactly the tensors
+    that shape has, and (`tokenizer`) a tokenizer whose vocabulary fits the model's. Each problem is one
+    ConfigError naming the file and what to change."""
     if model.path is None:
         raise ConfigError("model.path = None: set it to an HF model directory, e.g. the output of `rlhf make-tiny`")
     path = Path(model.path)
+    where = f"model.path = {str(path)!r}"
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path = {str(path)!r}: no HF model directory there; "
+        raise ConfigError(f"{where}: no HF model directory there; "
                           f"create it with `rlhf make-tiny {path}` or point model.path at one")
-    on_disk = load_config(path)
+    try:
+        on_disk = load_config(path)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # bad JSON, missing or mistyped keys
+        raise ConfigError(f"{where}: {path / CONFIG_FILE} cannot be read as a model config ({type(e).__name__}: "
+                          f"{e}); rewrite it (rlhf make-tiny writes one) or point model.path elsewhere") from None
     clashes = [f"{f.name}: config {getattr(model, f.name)!r}, {path}/config.json {getattr(on_disk, f.name)!r}"
                for f in dataclasses.fields(on_disk)
                if f.name not in _NOT_SHAPE and getattr(on_disk, f.name) != getattr(model, f.name)]
     if clashes:
-        raise ConfigError(f"model.path = {str(path)!r} holds another shape than the model config; "
+        raise ConfigError(f"{where} holds another shape than the model config; "
                           "fix the model YAML or the path:\n  " + "\n  ".join(clashes))
+    check_weights(path, model)
+    if tokenizer:
+        check_tokenizer(path, model.vocab_size)
     return path
+
+
+def _weight_files(d: Path) -> list[str]:
+    where = f"model.path = {str(d)!r}"
+    if (d / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where}: {d / INDEX_FILE} is not a safetensors index ({type(e).__name__}: {e}); "
+                              "rewrite it or remove it beside a single model.safetensors") from None
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            raise ConfigError(f"{where}: {INDEX_FILE} names {missing[:3]} ({len(missing)} in all), which are not "
+                              "there; copy the whole checkpoint")
+        return files
+    if (d / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise ConfigError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE} beside config.json; copy the weights there "
+                      "(safetensors only: no pickle checkpoints are read)")
+
+
+def check_weights(d: Path, model: ModelConfig) -> None:
+    """Every safetensors file whole (its header read, never its tensors) and their tensors exactly the
+    model's: names and shapes as `rlhf.model.shapes.param_shapes` lists them."""
+    from safetensors import SafetensorError
+
+    from rlhf.model.shapes import param_shapes
+
+    where = f"model.path = {str(d)!r}"
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for fname in _weight_files(d):
+        try:
+            with safe_open(str(d / fname), framework="pt") as f:
+                for name in f.keys():
+                    found[name] = (tuple(f.get_slice(name).get_shape()), fname)
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{where}: {d / fname} is not a whole safetensors file ({e}); it may be truncated "
+                              "or still being copied: copy it again") from None
+    want = param_shapes(model)
+    missing, unexpected = [n for n in want if n not in found], [n for n in found if n not in want]
+    if missing or unexpected:
+        raise ConfigError(f"{where}: the weights do not match model {model.name}: missing {missing[:3]} "
+                          f"({len(missing)} in all), unexpected {unexpected[:3]} ({len(unexpected)} in all); "
+                          "point model.path at a checkpoint of this model or fix the model YAML")
+    wrong = [f"{n}: {found[n][0]} in {found[n][1]}, {tuple(s)} expected" for n, s in want.items()
+             if found[n][0] != tuple(s)]
+    if wrong:
+        raise ConfigError(f"{where}: tensors of another shape than model {model.name} has: {wrong[:3]} "
+                          f"({len(wrong)} in all); point model.path at a checkpoint of this model")
+
+
+def check_tokenizer(d: Path, vocab_size: int) -> None:
+    """A tokenizer.json that loads, whose ids all index the model's embedding."""
+    from rlhf.data.tokenizer import load_tokenizer
+
+    where = f"model.path = {str(d)!r}"
+    if not (d / "tokenizer.json").is_file():
+        raise ConfigError(f"{where}: no tokenizer.json; save the tokenizer beside the weights "
+                          "(rlhf make-tiny writes one)")
+    try:
+        n = load_tokenizer(d).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library raises its own types for any malformed file
+        raise ConfigError(f"{where}: {d / 'tokenizer.json'} does not load ({type(e).__name__}: {e}); "
+                          "write it again") from None
+    if n > vocab_size:
+        raise ConfigError(f"{where}: the tokenizer has {n} tokens, more than the model's vocab_size {vocab_size}: "
+                          "its highest ids would index past the embedding; use the model's own tokenizer")

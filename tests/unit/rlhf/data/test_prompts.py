@@ -40,3 +40,14 @@ def test_missing_file_and_unknown_type(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="use .jsonl or .parquet"):
         load_prompts([tmp_path / "x.csv"])
+
+
+def test_non_utf8_rows_and_unreadable_parquet_are_named(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(json.dumps({"prompt": "1+1=", "answer": "2"}).encode() + b"\n\xff\xfe{}\n")
+    with pytest.raises(DatasetError, match=r"p\.jsonl:line 2: not UTF-8 text \(byte 0: b'\\xff'\)"):
+        load_prompts([f])
+    assert load_prompts([f], skip_bad_rows=True).skipped == 1
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DatasetError, match=r"x\.parquet: not a readable parquet file"):
+        load_prompts([tmp_path / "x.parquet"])
