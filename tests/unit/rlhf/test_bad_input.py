@@ -17,7 +17,7 @@ from rlhf.data.arithmetic import make_problems, write_jsonl
 from rlhf.data.prompts import DatasetError, fit_context, load_prompts
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.driver.run import RunInputs
-from rlhf.model.hf_io import SINGLE_FILE, check_model_dir, save_pretrained
+from rlhf.model.hf_io import SINGLE_FILE, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
