@@ -117,6 +117,8 @@ class DataConfig:
     # Dynamic sampling: prompts generated per draw (verl's gen_batch_size), so that one draw usually fills
     # prompts_per_step groups with signal; refills scale by the same ratio. 0: prompts_per_step.
     gen_prompts_per_step: int = 0
+    # A longer prompt (in tokens, BOS included) is refused before the run starts, or skipped with skip_bad_rows;
+    # never cut short.
     max_prompt_tokens: int = 64
     shuffle: bool = True
 

@@ -94,6 +94,8 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.recompute", list(t.recompute), f"unknown module kind {bad!r}; use attention, experts, norms"))
     if r.num_engines <= 0:
         p.append(Problem("rollout.num_engines", r.num_engines, "must be >= 1"))
+    if cfg.data.max_prompt_tokens < 1:
+        p.append(Problem("data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1"))
     if r.max_new_tokens <= 0:
         p.append(Problem("rollout.max_new_tokens", r.max_new_tokens, "must be >= 1"))
     elif r.max_new_tokens >= cfg.model.max_position_embeddings:

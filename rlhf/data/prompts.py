@@ -106,20 +106,20 @@ def load_prompts(
     return PromptSet(tuple(rows), skipped)
 
 
-def fit_context(prompts: PromptSet, encode: Callable[[str], int], limit: int, what: str, skip_bad_rows: bool) -> PromptSet:
-    """The rows whose prompt, `encode`d to its token count, is at most `limit` tokens (the model's context
-    less the answer's tokens). A longer one raises naming its row and what to change, or with
-    `skip_bad_rows` is skipped and counted."""
+def fit_context(prompts: PromptSet, count: Callable[[str], int], limit: int, why: str, skip_bad_rows: bool) -> PromptSet:
+    """The rows whose prompt is at most `limit` tokens (`count` gives a prompt's tokens; `why` says where the
+    limit comes from). A longer one raises naming its row and what to change, or with `skip_bad_rows` is
+    skipped and counted: never cut short, which would change the question."""
     kept, skipped = [], prompts.skipped
     for row in prompts.rows:
-        n = encode(row.prompt)
+        n = count(row.prompt)
         if n <= limit:
             kept.append(row)
         elif skip_bad_rows:
             skipped += 1
         else:
-            raise DatasetError(f"{row.source}: the prompt is {n} tokens, more than the {limit} that {what} leaves; "
-                               "shorten it, or set data.skip_bad_rows=true to skip such rows")
+            raise DatasetError(f"{row.source}: the prompt is {n} tokens, more than {limit} ({why}); shorten it, "
+                               "raise that limit, or set data.skip_bad_rows=true to skip such rows")
     if not kept:
-        raise DatasetError(f"no prompt fits in {limit} tokens ({what}); {skipped} rows skipped")
+        raise DatasetError(f"no prompt fits in {limit} tokens ({why}); {skipped} rows skipped")
     return PromptSet(tuple(kept), skipped)

@@ -5,6 +5,8 @@ Legend: P prompts, G samples per prompt, B samples, T tokens.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from actors.replies import SyncReplies, UpdateReply
@@ -84,6 +86,32 @@ def expert_load(updates: list[UpdateReply]) -> dict[str, float]:
            for i, row in enumerate(load)}
     out["expert_load/max_over_mean"] = max(out.values())
     return out
+
+
+def expert_parallel_load(updates: list[UpdateReply], expert_map: Sequence[int], shards: int,
+                         prediction: list[list[float]] | None, theta: float = 0.9):
+    """Per MoE layer (of the first pipeline stage, whose rank reports): tokens on the busiest EP rank over the
+    mean under the trainer's expert map (what EDPB balances; 1.0 is even), and how far the moving-average
+    prediction of each expert's load (`rlhf.expert_balance.predict`) made before this step was from it.
+    Returns (metrics, the prediction for the next step)."""
+    from rlhf.expert_balance import predict
+
+    stats = [u.router for u in updates if u.router]
+    if not stats or not stats[0]:
+        return {}, prediction
+    load = torch.tensor(stats[0], dtype=torch.float64)  # [layers, experts]
+    per_rank = torch.zeros(load.shape[0], shards, dtype=torch.float64).index_add_(
+        1, torch.tensor(list(expert_map)), load)
+    ratio = per_rank.max(1).values / per_rank.mean(1).clamp(min=1e-9)
+    out = {}
+    if shards > 1:
+        out = {f"expert_load/layer{i}_ep_rank_max_over_mean": float(r) for i, r in enumerate(ratio)}
+        out["expert_load/ep_rank_max_over_mean"] = float(ratio.max())
+    if prediction is not None and len(prediction) == len(load):
+        err = (torch.tensor(prediction, dtype=torch.float64) - load).abs().sum() / load.sum().clamp(min=1e-9)
+        out["expert_load/prediction_error"] = float(err)  # sum |predicted - actual| over the tokens routed
+    return out, predict(prediction if prediction is not None and len(prediction) == len(load) else None,
+                        load.tolist(), theta)
 
 
 def progress_fields(m: dict[str, float], accuracy: list[tuple[int, float]]) -> dict[str, object]:

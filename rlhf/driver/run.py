@@ -25,7 +25,8 @@ from rlhf.config.load import as_dict
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.metrics import progress_fields, step_metrics
+from rlhf.driver.metrics import expert_parallel_load, progress_fields, step_metrics
+from rlhf.layout import default_expert_map
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
@@ -61,10 +62,12 @@ class RunInputs:
         dm = device_map(cfg)
         d = cfg.data
         tokenizer = load_tokenizer(model_dir)
-        # the engines' context is the model's positions; each prompt must leave room for the longest answer
-        limit = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
-        what = (f"model.max_position_embeddings={cfg.model.max_position_embeddings} less "
-                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+        # at most data.max_prompt_tokens, and room left for the longest answer in the engines' context (the
+        # model's positions)
+        room = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+        limit, what = ((d.max_prompt_tokens, "data.max_prompt_tokens") if d.max_prompt_tokens <= room else
+                       (room, f"model.max_position_embeddings={cfg.model.max_position_embeddings} less "
+                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}"))
 
         def prompts(key: str):
             try:
@@ -120,6 +123,7 @@ class Run:
     last_checkpoint: Optional[Path] = None
     link_bytes_per_s: float = 0.0  # the weight-sync link, measured at start (the floor's bandwidth)
     ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
+    load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*)
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
@@ -276,6 +280,10 @@ class Run:
         link = replace(self.inputs.sync.topology, link_bytes_per_s=self.link_bytes_per_s or
                        self.inputs.sync.topology.link_bytes_per_s)
         m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
+        lay = self.inputs.sync.trainer
+        ep_load, self.load_prediction = expert_parallel_load(
+            updates, default_expert_map(cfg.model.num_experts, lay.expert_shards), lay.expert_shards, self.load_prediction)
+        m.update(ep_load)
         self.sync_seconds += self.phase_seconds.get("weight sync", m["time/sync"])  # what the loop waited
         self.step_seconds += seconds
         self.train_seconds += seconds - self.eval_seconds.get(step, 0.0)

@@ -68,7 +68,8 @@ KEYS = ["seed", "steps", "eval_every", "data.prompts_per_step", "data.gen_prompt
         "trainer.mini_batch_size", "trainer.micro_batch_tokens", "trainer.recompute", "trainer.collective_timeout_s",
         "placement.devices_per_node", "placement.nodes", "placement.trainer.devices", "placement.rollout.devices",
         "checkpoint.every_steps", "checkpoint.resume", "model.hidden_size", "model.num_experts", "model.vocab_size",
-        "model.max_position_embeddings", "data.train_files", "data.prompt_key", "reward.kind"]
+        "model.max_position_embeddings", "data.train_files", "data.prompt_key", "data.max_prompt_tokens",
+        "data.skip_bad_rows", "reward.kind"]
 VALUES = st.sampled_from([-1, 0, 1, 3, 7, 1000, 2**40, 0.5, -0.5, 1e30, "abc", "", "0-99", True, None, [], [1, 2],
                           {"x": 1}, "/nonexistent/file.jsonl", ["/nonexistent/a.jsonl"]])
 
@@ -138,8 +139,15 @@ def test_prompts_longer_than_the_context_are_refused_before_anything_starts(poli
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "1" * 125 + "+1=", "answer": "2"}) + "\n")
     raw["data"]["heldout_files"] = [str(long)]
-    with pytest.raises(DatasetError, match=f"{long}:1: the prompt is 129 tokens, more than the 122 that "
-                                           "model.max_position_embeddings=128 less rollout.max_new_tokens=6 leaves"):
+    raw["data"]["max_prompt_tokens"] = 1000
+    with pytest.raises(DatasetError, match=f"data.heldout_files: {long}:1: the prompt is 129 tokens, more than 122 "
+                                           r"\(model.max_position_embeddings=128 less rollout.max_new_tokens=6\)"):
+        _prepare(raw, tmp_path / "run.yaml")
+    raw["data"]["max_prompt_tokens"] = 20
+    with pytest.raises(DatasetError, match=r"the prompt is 129 tokens, more than 20 \(data.max_prompt_tokens\)"):
+        _prepare(raw, tmp_path / "run.yaml")
+    raw["data"]["skip_bad_rows"] = True
+    with pytest.raises(DatasetError, match=r"data.heldout_files: no prompt fits in 20 tokens"):
         _prepare(raw, tmp_path / "run.yaml")
 
 

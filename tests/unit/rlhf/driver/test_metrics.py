@@ -10,7 +10,7 @@ from actors.replies import ReceiveReply, SendReply, SyncReplies, UpdateReply, Up
 from actors.vllm_engine import Completion
 from rlhf.batch import TokenBatch
 from rlhf.config import load_model_config
-from rlhf.driver.metrics import expert_load, progress_fields, step_metrics, update_metrics
+from rlhf.driver.metrics import expert_load, expert_parallel_load, progress_fields, step_metrics, update_metrics
 from rlhf.driver.rollout import Rollout
 from rlhf.layout import InferenceLayout, Layout
 from rlhf.model.engine_sharding import engine_shard_spec
@@ -37,6 +37,22 @@ def test_expert_load_is_busiest_over_mean():
     m = expert_load([UpdateReply(_stats(1.0, 0.0), [[1, 3], [2, 2]], 0.0, 1.0)])
     assert m["expert_load/layer0_max_over_mean"] == 1.5 and m["expert_load/layer1_max_over_mean"] == 1.0
     assert m["expert_load/max_over_mean"] == 1.5
+
+
+def test_ep_rank_load_and_the_load_prediction():
+    """4 experts on 2 EP ranks (0, 1 | 2, 3): layer 0 puts 30 of 40 tokens on rank 0; the prediction made before
+    a step is scored against that step's loads, then moved toward them."""
+    reply = UpdateReply(_stats(1.0, 0.0), [[10, 20, 5, 5], [10, 10, 10, 10]], 0.0, 1.0)
+    m, pred = expert_parallel_load([reply], (0, 0, 1, 1), 2, None)
+    assert m == {"expert_load/layer0_ep_rank_max_over_mean": 1.5, "expert_load/layer1_ep_rank_max_over_mean": 1.0,
+                 "expert_load/ep_rank_max_over_mean": 1.5}
+    assert pred == [[10, 20, 5, 5], [10, 10, 10, 10]]
+    reply2 = UpdateReply(_stats(1.0, 0.0), [[20, 10, 5, 5], [10, 10, 10, 10]], 0.0, 1.0)
+    m2, pred2 = expert_parallel_load([reply2], (0, 0, 1, 1), 2, pred)
+    assert abs(m2["expert_load/prediction_error"] - 20 / 80) < 1e-12
+    assert pred2[0] == pytest.approx([11, 19, 5, 5])
+    m1, _ = expert_parallel_load([reply], (0, 0, 0, 0), 1, None)
+    assert m1 == {}  # one expert shard: nothing to balance, no prediction yet
     assert expert_load([UpdateReply(_stats(1.0, 0.0), None, 0.0, 1.0)]) == {}
 
 
