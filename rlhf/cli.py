@@ -22,7 +22,7 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def _make_tiny(args) -> int:
     from rlhf.config import load_model_config
     from rlhf.errors import ConfigError
-    from rlhf.tiny import TinySpec, make_tiny, sft_lr
+    from rlhf.tiny import TinySpec, make_tiny, sft_lr, sft_max_steps
 
     path = Path(args.model)
     if not path.is_file() and (REPO_CONFIGS / "model" / f"{args.model}.yaml").is_file():
@@ -34,7 +34,8 @@ def _make_tiny(args) -> int:
     if args.lr is not None and args.lr <= 0:
         raise ConfigError(f"--lr {args.lr}: the learning rate must be positive, e.g. 1e-3")
     cfg = load_model_config(path)
-    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr)
+    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr,
+                    max_sft_steps=sft_max_steps(cfg))
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
     return 0

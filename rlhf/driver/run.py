@@ -123,7 +123,8 @@ class Run:
     last_checkpoint: Optional[Path] = None
     link_bytes_per_s: float = 0.0  # the weight-sync link, measured at start (the floor's bandwidth)
     ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
-    load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*)
+    load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*; checkpointed)
+    load_metrics: dict = field(default_factory=dict)  # this step's expert_load/* from observe_expert_loads
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
@@ -250,7 +251,8 @@ class Run:
         d = step_dir(Path(c.dir), step)
         with self.phase("checkpoint", step):
             self.roles.all(self.roles.trainer, "save", str(d))
-            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state()}
+            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state(),
+                       "expert_load_prediction": self.load_prediction}
                    | (self.extra_state() if self.extra_state else {}))
             prune(Path(c.dir), c.keep_last)
         self.last_checkpoint = d
@@ -261,6 +263,7 @@ class Run:
         self.roles.all(self.roles.trainer, "load", str(d))
         self.inputs.sampler.load_state_dict(state["data"])
         set_rng_state(state["rng"])
+        self.load_prediction = state.get("expert_load_prediction")  # none in checkpoints written before it
         self.step = state["step"]
         # the engines serve the resumed weights
         self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)
@@ -268,6 +271,13 @@ class Run:
         self.log(f"resumed from {d} at step {self.step}")
 
     # --- metrics ---
+    def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
+        """The step's expert-parallel load metrics (logged by `record`), and the load prediction moved on."""
+        lay = self.inputs.sync.trainer
+        self.load_metrics, self.load_prediction = expert_parallel_load(
+            updates, default_expert_map(self.cfg.model.num_experts, lay.expert_shards), lay.expert_shards,
+            self.load_prediction)
+
     def record(self, step: int, ro: Rollout, batch: TokenBatch, entropy: torch.Tensor, parity: Parity,
                updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float,
                extra: dict | None = None) -> None:
@@ -280,10 +290,8 @@ class Run:
         link = replace(self.inputs.sync.topology, link_bytes_per_s=self.link_bytes_per_s or
                        self.inputs.sync.topology.link_bytes_per_s)
         m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
-        lay = self.inputs.sync.trainer
-        ep_load, self.load_prediction = expert_parallel_load(
-            updates, default_expert_map(cfg.model.num_experts, lay.expert_shards), lay.expert_shards, self.load_prediction)
-        m.update(ep_load)
+        m.update(self.load_metrics)
+        self.load_metrics = {}
         self.sync_seconds += self.phase_seconds.get("weight sync", m["time/sync"])  # what the loop waited
         self.step_seconds += seconds
         self.train_seconds += seconds - self.eval_seconds.get(step, 0.0)

@@ -88,6 +88,54 @@ def test_resume_continues_from_the_last_checkpoint(short_run, tiny):
     assert result["heldout_accuracy_start"] == first["heldout_accuracy_end"]
 
 
+def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run, tiny, tmp_path):
+    """kill -9 of the driver during step 9, after its step-8 checkpoint: its Ray processes (engines, trainer
+    ranks, raylet) and shared memory go with it, and `checkpoint.resume=auto` redoes the steps since the
+    checkpoint with every metric of every step equal to the uninterrupted run of the same seed (`short_run`),
+    timings aside."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out, _ = short_run
+    d, _ = tiny
+    run = tmp_path / "killed"
+    args = _overrides(d, run, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
+                      "rollout.capture_routes=true")
+    shm_before = set(os.listdir("/dev/shm"))
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(REPO / "configs/tiny_cpu.yaml"), *args],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 600
+        while not (run / "ckpt" / "step_000008" / "COMPLETE").exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)  # into step 9
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    _, alive = psutil.wait_procs(family, timeout=90)
+    assert not alive, [p.name() for p in alive]  # no orphan: every process the driver started is gone
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", [*args, "checkpoint.resume=auto"])
+    result = train(cfg)
+    assert result["steps_run"] == STEPS - 8
+    want = {m["step"]: m for m in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
+    got = {m["step"]: m for m in map(json.loads, (run / "steps.jsonl").read_text().splitlines())}  # redone: last
+    timing = ("time/", "throughput/", "sync/seconds", "sync/gb_per_s", "sync/floor", "sync/link", "onload/", "offload/")
+    for step in range(9, STEPS + 1):
+        differ = [k for k in want[step] if not k.startswith(timing) and want[step][k] != got[step].get(k)]
+        assert not differ, (step, [(k, want[step][k], got[step].get(k)) for k in differ[:5]])
+
+
 def test_rollout_routing_replay_with_bf16_engines(tiny, ray_session, tmp_path):
     """R3 in the loop: bf16 engines (as on GPUs and NPUs), fp32 trainer, the engines' routes replayed in every
     trainer forward; the route metrics are logged every step."""
