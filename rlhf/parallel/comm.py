@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,23 @@ import torch.distributed as dist
 from rlhf.layout import Layout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than the group's timeout: a peer rank stopped taking part."""
+
+
+@contextmanager
+def bounded(phase: str, rank: int, timeout_s: float):
+    """Name the rank and the phase in a collective's timeout (the backend's own message says neither)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeout) or "timed out" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(f"trainer rank {rank}: {phase}: a collective waited longer than "
+                                f"trainer.collective_timeout_s={timeout_s:g} s; a peer rank stopped taking part "
+                                f"(its own error or log says why) [{e}]") from e
 
 
 def backend_for(device_type: str, requested: str = "auto") -> str:

@@ -25,7 +25,7 @@ from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.model.sharding import Split, TrainerSharding, is_frozen, rank_sharding, row_sharded, split_of
-from rlhf.parallel.comm import LayoutGroups, all_reduce, build_groups
+from rlhf.parallel.comm import LayoutGroups, all_reduce, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
@@ -182,11 +182,12 @@ class ParallelTrainer:
         self.model.eval()
         score = self._score(temperature)
         micro_batches = self._routed(micro_batches, first=True)
-        if self.pipeline is not None:
-            out = self.pipeline.forward_only(micro_batches, score)
-        else:
-            out = [score(self._hidden(mb), mb.input_ids_BT) for mb in micro_batches]
-        self._after_first_forward(micro_batches)
+        with self._bounded("logprob forward"):
+            if self.pipeline is not None:
+                out = self.pipeline.forward_only(micro_batches, score)
+            else:
+                out = [score(self._hidden(mb), mb.input_ids_BT) for mb in micro_batches]
+            self._after_first_forward(micro_batches)
         return out
 
     # --- training ---
@@ -207,25 +208,29 @@ class ParallelTrainer:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
-        if self.pipeline is not None:
-            losses = self.pipeline.train(micro_batches, loss_fn, score)
-        else:
-            losses = []
-            for mb in micro_batches:
-                logp, ent = score(self._hidden(mb), mb.input_ids_BT)
-                loss = loss_fn(logp, ent, mb)
-                loss.backward()
-                losses.append(loss.detach())
-        if first:
-            self._after_first_forward(micro_batches)
-        self.sync_grads()
-        grad_norm = self.clip_grads(self.tcfg.grad_clip)
-        self.optimizer.set_lr(self.current_lr())
-        self.optimizer.step()
-        self._balance_router_bias()
-        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
-        # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
-        loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
+        with self._bounded("forward and backward (expert all-to-all, tensor-parallel and pipeline exchanges)"):
+            if self.pipeline is not None:
+                losses = self.pipeline.train(micro_batches, loss_fn, score)
+            else:
+                losses = []
+                for mb in micro_batches:
+                    logp, ent = score(self._hidden(mb), mb.input_ids_BT)
+                    loss = loss_fn(logp, ent, mb)
+                    loss.backward()
+                    losses.append(loss.detach())
+            if first:
+                self._after_first_forward(micro_batches)
+        with self._bounded("gradient all-reduce and clipping"):
+            self.sync_grads()
+            grad_norm = self.clip_grads(self.tcfg.grad_clip)
+        with self._bounded("optimizer step (sharded AdamW state)"):
+            self.optimizer.set_lr(self.current_lr())
+            self.optimizer.step()
+        with self._bounded("expert loads and loss all-reduce"):
+            self._balance_router_bias()
+            loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+            # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
+            loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
         return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": self.optimizer.opt.param_groups[0]["lr"]}
 
     def current_lr(self) -> float:
@@ -373,6 +378,9 @@ class ParallelTrainer:
             for name, p in self.params.items():
                 p.copy_(sd[name])
         self.optimizer.load_state_tensors({k[len("optim/"):]: t for k, t in sd.items() if k.startswith("optim/")})
+
+    def _bounded(self, phase: str):
+        return bounded(phase, self.rank, self.tcfg.collective_timeout_s)
 
     def _moe_blocks(self) -> list:
         return [self.model.model.layers[i].mlp for i in self.stages[self.stage] if self.model.model.layers[i].is_moe]
