@@ -1,6 +1,6 @@
 """A hung collective times out instead of stalling the run: one trainer rank stops taking part (alive, but
 busy elsewhere, as a rank stuck in I/O or a deadlocked thread would be); its peer's update raises within
-`trainer.collective_timeout_s`, naming its rank, the phase and the setting, and the rank that stalled is free again afterwards."""
+`trainer.collective_timeout_s`, naming its rank, the phase and the setting."""
 
 import time
 
@@ -13,9 +13,9 @@ from tests.dist.test_trainer import CFG, TCFG, loss_fn, make_batch, micro_batche
 TIMEOUT_S = 3.0
 
 
-def worker(rank, layout, model_dir):
+def worker(rank, layout, path):
     tr = ParallelTrainer(CFG, TrainerConfig(**(TCFG.__dict__ | {"collective_timeout_s": TIMEOUT_S})), layout, rank,
-                         model_dir)
+                         path)
     ids, attn, adv = make_batch()
     mbs = micro_batches(ids, attn, adv, range(rank, 8, layout.dp))
     tr.train_step(mbs, loss_fn)  # both ranks together: the group works
