@@ -107,11 +107,12 @@ def expert_parallel_load(updates: list[UpdateReply], expert_map: Sequence[int], 
     if shards > 1:
         out = {f"expert_load/layer{i}_ep_rank_max_over_mean": float(r) for i, r in enumerate(ratio)}
         out["expert_load/ep_rank_max_over_mean"] = float(ratio.max())
-    if prediction is not None and len(prediction) == len(load):
+    if prediction is not None and len(prediction) != len(load):
+        prediction = None  # another stage's layers (a resumed run with another layout): start again
+    if prediction is not None:
         err = (torch.tensor(prediction, dtype=torch.float64) - load).abs().sum() / load.sum().clamp(min=1e-9)
         out["expert_load/prediction_error"] = float(err)  # sum |predicted - actual| over the tokens routed
-    return out, predict(prediction if prediction is not None and len(prediction) == len(load) else None,
-                        load.tolist(), theta)
+    return out, predict(prediction, load.tolist(), theta)
 
 
 def progress_fields(m: dict[str, float], accuracy: list[tuple[int, float]]) -> dict[str, object]:

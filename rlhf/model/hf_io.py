@@ -203,14 +203,18 @@ def save_pretrained(
     return out
 
 
+def weight_files(d: Path) -> list[str] | None:
+    """The safetensors files of an HF directory: those its index names, or the single file; None if neither."""
+    if (d / INDEX_FILE).is_file():
+        return sorted(set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
+    return [SINGLE_FILE] if (d / SINGLE_FILE).is_file() else None
+
+
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every safetensors file in an HF directory, in index order."""
     d = Path(model_dir)
-    if (d / INDEX_FILE).is_file():
-        files = sorted(set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
-    elif (d / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
+    files = weight_files(d)
+    if files is None:
         raise FileNotFoundError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}; is this an HF model directory?")
     for fname in files:
         with safe_open(str(d / fname), framework="pt") as f:
@@ -267,10 +271,10 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
 _NOT_SHAPE = {"name", "path"}
 
 
-def check_model_dir(model: ModelConfig, tokenizer: bool = True) -> Path:
+def check_model_dir(model: ModelConfig) -> Path:
     """The configured policy directory (`model.path`) exists and holds the configured shape: a readable
     config.json of that shape, safetensors files (headers only) that are whole and hold exactly the tensors
-    that shape has, and (`tokenizer`) a tokenizer whose vocabulary fits the model's. Each problem is one
+    that shape has, and a tokenizer whose vocabulary fits the model's. Each problem is one
     ConfigError naming the file and what to change."""
     if model.path is None:
         raise ConfigError("model.path = None: set it to an HF model directory, e.g. the output of `rlhf make-tiny`")
@@ -291,29 +295,26 @@ def check_model_dir(model: ModelConfig, tokenizer: bool = True) -> Path:
         raise ConfigError(f"{where} holds another shape than the model config; "
                           "fix the model YAML or the path:\n  " + "\n  ".join(clashes))
     check_weights(path, model)
-    if tokenizer:
-        check_tokenizer(path, model.vocab_size)
+    check_tokenizer(path, model.vocab_size)
     return path
 
 
-def _weight_files(d: Path) -> list[str]:
+def _checked_weight_files(d: Path) -> list[str]:
+    """`weight_files`, each problem a ConfigError: no weights, an unreadable index, files it names missing."""
     where = f"model.path = {str(d)!r}"
-    if (d / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{where}: {d / INDEX_FILE} is not a safetensors index ({type(e).__name__}: {e}); "
-                              "rewrite it or remove it beside a single model.safetensors") from None
-        missing = [f for f in files if not (d / f).is_file()]
-        if missing:
-            raise ConfigError(f"{where}: {INDEX_FILE} names {missing[:3]} ({len(missing)} in all), which are not "
-                              "there; copy the whole checkpoint")
-        return files
-    if (d / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    raise ConfigError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE} beside config.json; copy the weights there "
-                      "(safetensors only: no pickle checkpoints are read)")
+    try:
+        files = weight_files(d)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: {d / INDEX_FILE} is not a safetensors index ({type(e).__name__}: {e}); "
+                          "rewrite it or remove it beside a single model.safetensors") from None
+    if files is None:
+        raise ConfigError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE} beside config.json; copy the weights there "
+                          "(safetensors only: no pickle checkpoints are read)")
+    missing = [f for f in files if not (d / f).is_file()]
+    if missing:
+        raise ConfigError(f"{where}: {INDEX_FILE} names {missing[:3]} ({len(missing)} in all), which are not "
+                          "there; copy the whole checkpoint")
+    return files
 
 
 def check_weights(d: Path, model: ModelConfig) -> None:
@@ -325,7 +326,7 @@ def check_weights(d: Path, model: ModelConfig) -> None:
 
     where = f"model.path = {str(d)!r}"
     found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for fname in _weight_files(d):
+    for fname in _checked_weight_files(d):
         try:
             with safe_open(str(d / fname), framework="pt") as f:
                 for name in f.keys():
