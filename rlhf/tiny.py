@@ -50,8 +50,8 @@ class TinySpec:
 
 def sft_lr(model_cfg: ModelConfig) -> float:
     """The warm start's learning rate by architecture: the tiny DeepSeek-V3 / Pangu model made no progress
-    at Qwen3-MoE's 3e-3 (loss 1.7, accuracy 0 after 950 steps; 1.25 after 2,900 with warmup and gradient
-    clipping) and learns at 1e-3."""
+    at Qwen3-MoE's 3e-3 (loss 1.7, accuracy 0 after 950 steps; loss 1.25 after 2,900 with warmup and gradient
+    clipping, a one-off script outside the repo) and learns at 1e-3."""
     return 1e-3 if model_cfg.architecture is Architecture.pangu_moe else TinySpec.lr
 
 
