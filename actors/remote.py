@@ -8,15 +8,17 @@ into a `RoleError` naming the role and rank, so the driver never hangs on a dead
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Callable
 
 
 class RoleError(RuntimeError):
     """A remote call to a role failed or timed out; names the role, rank and method."""
 
-    def __init__(self, role: str, rank: int, method: str, why: str):
+    def __init__(self, role: str, rank: int, method: str, why: str, died: bool = False):
         super().__init__(f"{role} rank {rank}: {method} {why}")
         self.role, self.rank, self.method = role, rank, method
+        self.pending: list = []  # from call_all: the calls of the other ranks, still running
+        self.died = died  # the actor's process is gone (not: it raised, or it did not answer in time)
 
 
 class RoleHandle:
@@ -53,23 +55,38 @@ class RoleHandle:
                 why = f"failed: the actor could not start ({lines[-1]})"
             else:
                 why = f"failed: the actor died ({lines[0] if lines else type(e).__name__})"
-            raise RoleError(self.role, self.rank, method, why) from None
+            raise RoleError(self.role, self.rank, method, why, died=True) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             raise RoleError(self.role, self.rank, method, f"raised {type(cause).__name__}: "
                             f"{str(cause).splitlines()[0] if str(cause) else ''}") from cause
 
 
-def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0) -> list[Any]:
+def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
+             on_submit: Callable[[], None] | None = None) -> list[Any]:
     """Start every (handle, method, args, kwargs) call at once, then wait for all under one deadline:
     collective methods (every rank of a group must enter them) never wait on a rank not yet called.
     Results are read as they complete, so the first rank that fails raises RoleError (naming its role
-    and rank) at once, not after its peers, stuck in a collective with it, time out."""
+    and rank) at once, not after its peers, stuck in a collective with it, time out. `on_submit` runs
+    once every call is out (fault injection)."""
+    return _gather(calls, timeout_s, on_submit, first_error=True)
+
+
+def call_each(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
+              on_submit: Callable[[], None] | None = None) -> list[Any]:
+    """As `call_all`, but every call is waited for: each result, or the RoleError its call ended in (the
+    caller decides what a failed call means; independent calls, never collective ones)."""
+    return _gather(calls, timeout_s, on_submit, first_error=False)
+
+
+def _gather(calls, timeout_s: float, on_submit, first_error: bool) -> list[Any]:
     import time
 
     import ray
 
     refs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+    if on_submit is not None:
+        on_submit()
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
@@ -83,10 +100,37 @@ def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float 
                     ray.cancel(ref)
                 except Exception:
                     pass
-            raise RoleError(h.role, h.rank, m, f"did not answer within {timeout_s:.0f} s")
+            error = RoleError(h.role, h.rank, m, f"did not answer within {timeout_s:.0f} s")
+            if first_error:
+                raise error
+            for ref in pending:
+                i = index[ref]
+                results[i] = RoleError(calls[i][0].role, calls[i][0].rank, calls[i][1],
+                                       f"did not answer within {timeout_s:.0f} s")
+            break
         i = index[ready[0]]
-        results[i] = calls[i][0].wait(calls[i][1], ready[0], 0.01)
+        try:
+            results[i] = calls[i][0].wait(calls[i][1], ready[0], 0.01)
+        except RoleError as e:
+            if first_error:
+                e.pending = pending  # the peers' calls, for a caller that recovers to wait out (`settle`)
+                raise
+            results[i] = e
     return results
+
+
+def settle(refs, timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) for calls whose results no longer matter, their errors read and dropped: a
+    caller recovering from one rank's failure lets its peers' calls end first (and Ray does not report their
+    errors as unhandled)."""
+    import ray
+
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:
+            pass
 
 
 def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,

@@ -14,11 +14,11 @@ bundle and a share of it (`rlhf.placement.actor_options`), so co-located roles f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from actors.remote import RoleHandle, call_all, spawn
+from actors.remote import RoleError, RoleHandle, call_all, call_each, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import RewardKind, RoutingReplay, RunConfig
@@ -34,6 +34,17 @@ class Roles:
     rewards: list[RoleHandle]
     placement_groups: list
     timeout_s: float
+    # set by `start` (a Roles built by hand has no engines to replace)
+    start_engine: Optional[Callable[..., RoleHandle]] = None  # engine k on its placement slot
+    sync_layout: Any = None
+    sync_backend: str = "gloo"
+    sync_timeout_s: float = 120.0
+    engine_shm: list = field(default_factory=list)  # each engine's shared-memory prefixes
+    version: int = 0  # the weights every engine serves (the last sync's)
+    # set by the driver: replaces dead engines (indices, what failed) and installs `version` in them; None: a
+    # death raises
+    recover: Optional[Callable[[list[int], str], Any]] = None
+    inject: Callable[[str], None] = lambda phase: None  # chaos: kills engines as a phase's calls go out
 
     @staticmethod
     def start(cfg: RunConfig, dm, model_dir: str, sync_layout, log=print, name_prefix: str = "") -> "Roles":
@@ -68,12 +79,15 @@ class Roles:
         # partial rollouts: a sync's install runs on a second thread while the generation parks between steps
         # (a third for an evaluation waiting its turn)
         partial = cfg.stale_sync.partial_rollout
-        engines = [spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
+
+        def start_engine(k: int, stale_shm: Sequence[str] = ()) -> RoleHandle:
+            return spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
-                         interruptible=partial, capture_routes=cfg.captures_routes,
+                         interruptible=partial, capture_routes=cfg.captures_routes, stale_shm=tuple(stale_shm),
                          max_concurrency=3 if partial else 1, **slot("rollout", k * rpe))
-                   for k in range(cfg.rollout.num_engines)]
+
+        engines = [start_engine(k) for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())
             rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
@@ -82,22 +96,62 @@ class Roles:
             rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
         roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60)
+        roles.start_engine, roles.sync_layout = start_engine, sync_layout
+        roles.sync_backend = backend_for(dt.value, cfg.trainer.backend.value)
+        roles.sync_timeout_s = cfg.trainer.collective_timeout_s
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
             f"{len(rewards)} reward worker(s) starting")
         for group in (trainer, reference):
             if group:
                 addr = group[0].call("address")
                 call_all([(h, "init", addr, {}) for h in group], START_TIMEOUT_S)
-        call_all([(e, "address", (), {}) for e in engines], START_TIMEOUT_S)  # engines up (vLLM start is slow)
-        host, port = trainer[0].call("address")
-        backend = backend_for(dt.value, cfg.trainer.backend.value)
-        call_all([(h, "join_sync", (host, port, sync_layout.world_size), {}) for h in trainer]
-                 + [(e, "join_sync", (host, port, sync_layout.engine_ranks(k)[0], sync_layout.world_size, backend,
-                                      cfg.trainer.collective_timeout_s), {}) for k, e in enumerate(engines)],
-                 START_TIMEOUT_S)
+        roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
+        roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
         return roles
+
+    def join_sync(self) -> None:
+        """Every trainer rank and engine (re)joins the weight-sync group, on a fresh port: the group is
+        stateless, so a replaced member means a new group for all (each leaves its old one first)."""
+        host, port = self.trainer[0].call("address")
+        lay = self.sync_layout
+        call_all([(h, "join_sync", (host, port, lay.world_size), {}) for h in self.trainer]
+                 + [(e, "join_sync", (host, port, lay.engine_ranks(k)[0], lay.world_size, self.sync_backend,
+                                      self.sync_timeout_s), {}) for k, e in enumerate(self.engines)],
+                 START_TIMEOUT_S)
+
+    # --- dead engines ---
+    def dead_engines(self, probe_s: float = 10.0) -> list[int]:
+        """Engines whose actor is dead. A dead actor's call fails at once (Ray knows it died); a live one
+        busy with a long call is not waited for: an unanswered probe counts as alive."""
+        import ray
+
+        refs = [e.submit("shm_prefixes") for e in self.engines]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
+        dead = []
+        for k, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(k)
+        return dead
+
+    def replace_engines(self, dead: Sequence[int]) -> None:
+        """New engines on the dead ones' placement slots (each removes the shared memory its predecessor's
+        workers left), then the weight-sync group re-formed with every member. The new engines serve no
+        weights of the run yet: the caller installs them (`sync_weights`)."""
+        for k in dead:
+            try:
+                self.engines[k].kill()  # dead already, or stuck: its slot must be free
+            except Exception:
+                pass
+            self.engines[k] = self.start_engine(k, stale_shm=self.engine_shm[k])
+        replies = call_all([(self.engines[k], "shm_prefixes", (), {}) for k in dead], START_TIMEOUT_S)
+        for k, prefixes in zip(dead, replies):
+            self.engine_shm[k] = prefixes
+        self.join_sync()
 
     # --- fan-out calls ---
     def all(self, group: Sequence[RoleHandle], method: str, *args, timeout_s: float | None = None,
@@ -106,17 +160,34 @@ class Roles:
         extra = per_rank or [{}] * len(group)
         return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, **kwargs) -> list:
-        """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`."""
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate", **kwargs) -> list:
+        """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
+
+        An engine that dies meanwhile is handed to `self.recover` (which replaces it and installs the weights
+        the others serve) and its share generated again there, with the same seeds: the call returns what it
+        would have without the fault. Without `recover` the death raises RoleError."""
         from dataclasses import replace
 
         k = len(self.engines)
         chunks = [list(range(i, len(prompts), k)) for i in range(k)]
-        # Seeds by the prompt's place in the whole call: the samples do not depend on the engine count.
-        calls = [(e, "generate", ([prompts[i] for i in idx],),
-                  dict(n=n, seed=[prompt_seed(seed, i) for i in idx], **kwargs))
-                 for e, idx in zip(self.engines, chunks) if idx]
-        outs = call_all(calls, self.timeout_s)
+
+        def call(e: int) -> tuple:  # seeds by the prompt's place in the whole call: not by the engine count
+            return (self.engines[e], "generate", ([prompts[i] for i in chunks[e]],),
+                    dict(n=n, seed=[prompt_seed(seed, i) for i in chunks[e]], **kwargs))
+
+        todo, outs = [e for e in range(k) if chunks[e]], [[] for _ in range(k)]
+        while todo:
+            results = call_each([call(e) for e in todo], self.timeout_s,
+                                on_submit=lambda: self.inject(phase))
+            dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and r.died]
+            for e, r in zip(todo, results):
+                if isinstance(r, BaseException) and (e not in dead or self.recover is None):
+                    raise r
+                if e not in dead:
+                    outs[e] = r
+            if dead:
+                self.recover(dead, str(next(r for e, r in zip(todo, results) if e in dead)))
+            todo = dead
         merged = [replace(c, prompt_index=idx[c.prompt_index]) for idx, out in zip(chunks, outs) for c in out]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order
 
@@ -154,7 +225,8 @@ class Roles:
         memory)."""
         calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
         calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
-        replies = call_all(calls, self.timeout_s)
+        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"))
+        self.version = version
         return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
 
     def shutdown(self) -> None:

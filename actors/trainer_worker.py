@@ -137,6 +137,8 @@ class TrainerWorker(PolicyWorker):
         from weight_sync.group import transfer_group
 
         backend = backend_for(self.device_type.value, self.tcfg.backend.value)
+        if self.sync_group is not None:  # a re-formed group (an engine was replaced) replaces the old one
+            self.sync_group.close()
         self.sync_group = transfer_group(backend, host, port, self.rank, world_size, self.tcfg.collective_timeout_s)
         return True
 

@@ -60,7 +60,8 @@ class Completion:
 class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
-                 own_process: bool = False, interruptible: bool = False, capture_routes: bool = False):
+                 own_process: bool = False, interruptible: bool = False, capture_routes: bool = False,
+                 stale_shm: Sequence[str] = ()):
         """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
         process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
         (`rollout.engine_core_in_process`). `interruptible` (StaleSync's partial rollouts; the actor then
@@ -69,7 +70,8 @@ class VLLMEngine:
         version that produced it. The engine core then runs in this process, so that no step runs while
         the generation is paused. `capture_routes`: every completion carries the experts the engine chose for
         each of its tokens (`Completion.routes`, for routing replay); prefix caching is then off, since a
-        cached token is never routed again."""
+        cached token is never routed again. `stale_shm`: shared-memory prefixes of the engine this one replaces
+        (killed, so its workers never unlinked their segments): removed once this engine is up."""
         prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         from vllm import LLM
 
@@ -100,6 +102,7 @@ class VLLMEngine:
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed)
         self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p})
+        remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with
         if capture_routes:
@@ -142,9 +145,17 @@ class VLLMEngine:
     def address(self) -> tuple[str, int]:
         return node_address()
 
+    def shm_prefixes(self) -> list[str]:
+        """The prefixes of the shared-memory segments this engine's workers create (the driver keeps them for
+        the engine that replaces this one, should it die); answering also says the engine is up."""
+        return list(self._shm_prefixes)
+
     def join_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str = "gloo",
                   timeout_s: float = 120.0) -> list[int]:
-        """Every worker joins the weight-sync group, as transfer rank `first_rank` + its engine rank."""
+        """Every worker joins the weight-sync group, as transfer rank `first_rank` + its engine rank (leaving
+        the group it was in: a re-formed group replaces it)."""
+        if self.sync_ranks:
+            self.llm.collective_rpc("rlhf_leave_sync")
         self.sync_ranks = self.llm.collective_rpc("rlhf_join_sync",
                                                   args=(host, port, first_rank, world_size, backend, timeout_s))
         return self.sync_ranks

@@ -207,6 +207,13 @@ class RolloutConfig:
     # and can replay them (trainer.routing_replay=rollout, which turns this on). Turns vLLM's prefix
     # caching off, since a cached prompt token is never routed again.
     capture_routes: bool = False
+    # A rollout engine that dies (its process killed, out of memory, its node lost) is replaced on the same
+    # placement slot, the weight-sync group re-formed, the weights the others serve installed and checksummed,
+    # and its unfinished work redone (docs/faults.md). More than this many replacements within the last
+    # `restart_window_steps` steps stop the run with a message naming the engine: something is wrong that a
+    # restart does not fix. 0: a dead engine stops the run.
+    max_restarts: int = 3
+    restart_window_steps: int = 20
 
     @property
     def parity_limit(self) -> float:
@@ -363,6 +370,16 @@ class StaleSyncConfig:
 
 
 @dataclass(frozen=True)
+class ChaosConfig:
+    """Faults injected on purpose, to see a run survive them (docs/faults.md); empty in real runs."""
+
+    # Rollout engines the driver kills (the actor's process, as `ray.kill` does): each entry "ENGINE@STEP" or
+    # "ENGINE@STEP:PHASE", PHASE one of generate (default: while the step's rollouts generate), sync (while
+    # the step's weights are sent) or evaluate (during the held-out evaluation after the step).
+    kill_engines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     steps: int = 10
@@ -378,8 +395,30 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stale_sync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     @property
     def captures_routes(self) -> bool:
         """Whether the engines record their expert choices (asked for, or needed by rollout routing replay)."""
         return self.rollout.capture_routes or self.trainer.routing_replay is RoutingReplay.rollout
+
+
+KILL_PHASES = ("generate", "sync", "evaluate")
+
+
+def engine_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """`chaos.kill_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
+    out = []
+    for e in entries:
+        where, _, phase = str(e).partition(":")
+        engine, at, step = where.partition("@")
+        try:
+            if not at:
+                raise ValueError
+            step, engine, phase = int(step), int(engine), phase or "generate"
+        except ValueError:
+            raise ValueError(f"{e!r} is not ENGINE@STEP or ENGINE@STEP:PHASE (e.g. 1@3 or 1@3:sync)") from None
+        if phase not in KILL_PHASES:
+            raise ValueError(f"{e!r}: phase {phase!r} is none of {', '.join(KILL_PHASES)}")
+        out.append((step, engine, phase))
+    return out

@@ -12,7 +12,7 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RouterScoring, RoutingReplay, RunConfig)
+                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]
@@ -94,6 +94,11 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.recompute", list(t.recompute), f"unknown module kind {bad!r}; use attention, experts, norms"))
     if r.num_engines <= 0:
         p.append(Problem("rollout.num_engines", r.num_engines, "must be >= 1"))
+    if r.max_restarts < 0 or r.restart_window_steps < 1:
+        bad = "max_restarts" if r.max_restarts < 0 else "restart_window_steps"
+        p.append(Problem(f"rollout.{bad}", getattr(r, bad), "must be >= 0 (0: a dead engine stops the run)"
+                         if bad == "max_restarts" else "must be >= 1"))
+    p += chaos_problems(cfg)
     if cfg.data.max_prompt_tokens < 1:
         p.append(Problem("data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1"))
     if r.max_new_tokens <= 0:
@@ -262,6 +267,23 @@ def reward_problems(w: RewardConfig) -> list[Problem]:
 
 def validate_model(m: ModelConfig) -> None:
     raise_problems(model_problems(m), "model config")
+
+
+def chaos_problems(cfg: RunConfig) -> list[Problem]:
+    try:
+        kills = engine_kills(cfg.chaos.kill_engines)
+    except ValueError as e:
+        return [Problem("chaos.kill_engines", list(cfg.chaos.kill_engines), str(e))]
+    p = []
+    for step, engine, _ in kills:
+        if not 0 <= engine < cfg.rollout.num_engines or not 1 <= step <= cfg.steps:
+            p.append(Problem("chaos.kill_engines", list(cfg.chaos.kill_engines),
+                             f"engine {engine} at step {step}: engines are 0..{cfg.rollout.num_engines - 1}, steps "
+                             f"1..{cfg.steps}"))
+    if kills and cfg.stale_sync.max_staleness > 0:
+        p.append(Problem("chaos.kill_engines", list(cfg.chaos.kill_engines), "engines are replaced in the "
+                         "synchronous loop only (stale_sync.max_staleness: 0) so far"))
+    return p
 
 
 def validate_run(cfg: RunConfig) -> None:

@@ -241,7 +241,7 @@ def train_async(cfg: RunConfig, log) -> dict:
         acc_start = run.evaluate(run.step)
         producer.start()
         for step in range(run.step + 1, cfg.steps + 1):
-            t_step = time.time()
+            t_step, run.at_step = time.time(), step
             with run.phase("wait for rollouts", step):
                 groups = take_batch(run, queue, producer, step)
             ro = to_rollout(groups)

@@ -29,7 +29,7 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
     try:
         roles, acc_start = run.roles, run.evaluate(run.step)
         for step in range(run.step + 1, cfg.steps + 1):
-            t_step = time.time()
+            t_step, run.at_step = time.time(), step
             with run.phase("rollout", step):
                 ro = collect(cfg, roles, run.inputs.sampler, run.inputs.tokenizer, step)
             learned = learn(run, ro, step)

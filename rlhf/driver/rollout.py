@@ -75,6 +75,6 @@ def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
     rule = RULES.get(cfg.reward.kind, RULES[RewardKind.exact_match])
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
-    comps = roles.generate(prompts, n=1, seed=0, temperature=0.0)
+    comps = roles.generate(prompts, n=1, seed=0, temperature=0.0, phase="evaluate")
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
     return sum(rule(t, rows[c.prompt_index].answer) for t, c in zip(texts, comps)) / len(comps)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from actors.replies import SyncReplies, UpdateReply
+from actors.remote import RoleError, settle
 from actors.roles import Roles, connect
 from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
@@ -34,7 +35,7 @@ from rlhf.routing import route_share
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RunConfig
+from rlhf.schema import DeviceType, RolloutConfig, RunConfig, engine_kills
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -131,6 +132,10 @@ class Run:
     train_seconds: float = 0.0  # step time less evaluation: what throughput is measured over
     samples_dropped: int = 0  # StaleSync: samples too old to train on
     extra_state: Optional[Callable[[], dict]] = None  # more driver state for checkpoints (StaleSync's queue)
+    at_step: int = 0  # the step in progress (or the one just evaluated): where faults are counted and injected
+    trainer_offloaded: bool = False  # co-location: the trainer's state is in host memory (engines' turn)
+    engine_restarts: list[int] = field(default_factory=list)  # the step of each engine replacement
+    kills: list = field(default_factory=list)  # chaos.kill_engines still to inject: (step, engine, phase)
     t0: float = field(default_factory=time.time)
 
     @staticmethod
@@ -148,6 +153,10 @@ class Run:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
                 run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
+            # StaleSync's producer generates while the trainer updates: replacing an engine there (a new group
+            # for every member, the weights installed) must wait for the trainer; not built yet (docs/faults.md)
+            run.roles.recover = run.recover_engines if cfg.stale_sync.max_staleness == 0 else None
+            run.roles.inject, run.kills = run._inject, engine_kills(cfg.chaos.kill_engines)
             run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
             run.ray_nodes = run.roles.ray_nodes()
             if inputs.resume_dir is not None:
@@ -213,6 +222,7 @@ class Run:
         roles = self.roles
         roles.all(roles.engines, engine_method)
         moved = roles.all(roles.trainer, trainer_method)
+        self.trainer_offloaded = trainer_method == "offload"
         if trainer_method == "offload" and roles.reference:
             moved += roles.all(roles.reference, "offload")
         self.switch_bytes[trainer_method] = sum(moved)
@@ -234,7 +244,7 @@ class Run:
                 self.tracker.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep.start, rep.seconds, step)
 
     def evaluate(self, step: int) -> float:
-        t0 = time.time()
+        t0, self.at_step = time.time(), step
         with self.phase("evaluate", step):
             acc = heldout_accuracy(self.cfg, self.roles, self.inputs.tokenizer, self.inputs.heldout)
         self.eval_seconds[step] = time.time() - t0
@@ -268,7 +278,52 @@ class Run:
         # the engines serve the resumed weights
         self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)
         self.roles.all(self.roles.trainer, "offload")
+        self.trainer_offloaded = True
         self.log(f"resumed from {d} at step {self.step}")
+
+    # --- faults ---
+    def sync_weights(self, version: int) -> SyncReplies:
+        """The weight sync of `version` to every engine; an engine that died before or during it is replaced
+        (`recover_engines`) and the sync done again, to all."""
+        try:
+            return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
+        except RoleError as e:
+            if self.roles.recover is None:
+                raise
+            settle(e.pending, self.roles.timeout_s)  # the peers' sends and receives end (failed: a peer died)
+            dead = self.roles.dead_engines()
+            if not dead:
+                raise
+            return self.recover_engines(dead, str(e), version)
+
+    def recover_engines(self, dead: list[int], why: str, version: int | None = None) -> SyncReplies:
+        """Replace the dead engines on their placement slots, re-form the weight-sync group and install
+        `version` (default: what the others serve) in every engine, checksummed as every sync is. Refused once
+        rollout.max_restarts replacements fall within the last rollout.restart_window_steps steps."""
+        refused = restart_refusal(self.engine_restarts, self.at_step, dead, why, self.cfg.rollout)
+        if refused:
+            raise EngineRestartsExhausted(refused)
+        step = self.at_step
+        version = self.roles.version if version is None else version
+        self.log(f"step {step}: rollout engine(s) {dead} died ({why}); replacing them and installing weights "
+                 f"version {version}")
+        with self.phase("engine restart", step):
+            self.roles.replace_engines(dead)
+            sync = self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
+            if self.trainer_offloaded:  # sending onloaded the trainer: back to the engines' turn
+                self.roles.all(self.roles.trainer, "offload")
+        self.engine_restarts += [step] * len(dead)
+        self.log(f"step {step}: engine(s) {dead} replaced and serving version {version} "
+                 f"({len(self.engine_restarts)} replacement(s) in the run)")
+        return sync
+
+    def _inject(self, phase: str) -> None:
+        """chaos.kill_engines: kill the engines due at this step and phase, their calls just sent."""
+        due = [k for k in self.kills if k[0] == self.at_step and k[2] == phase]
+        for step, engine, _ in due:
+            self.kills.remove((step, engine, phase))
+            self.log(f"step {step}: chaos: killing rollout engine {engine} during {phase}")
+            self.roles.engines[engine].kill()
 
     # --- metrics ---
     def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
@@ -298,6 +353,7 @@ class Run:
         self.last_sync = sync
         m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
         m.update(extra or {})
+        m["faults/engine_restarts"] = len(self.engine_restarts)
         self.phase_seconds = {}
         if acc is not None:
             m["accuracy/heldout"] = acc
@@ -360,6 +416,7 @@ class Run:
             "seconds_per_step": _ratio(self.train_seconds, len(self.history)),
             "staleness_max": max((h["staleness_max"] for h in self.history), default=None),
             "samples_dropped": self.samples_dropped,
+            "engine_restarts": len(self.engine_restarts),
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -389,6 +446,22 @@ class Run:
 
             ray.shutdown()
             self.ray_owned = False
+
+
+class EngineRestartsExhausted(RuntimeError):
+    """More rollout engines died within the window than rollout.max_restarts allows."""
+
+
+def restart_refusal(restarts: list[int], step: int, dead: list[int], why: str, r: RolloutConfig) -> str | None:
+    """Why replacing the `dead` engines at `step` is refused (None: it is not), given the steps of the run's
+    earlier replacements: at most rollout.max_restarts within the last rollout.restart_window_steps steps."""
+    recent = [s for s in restarts if s > step - r.restart_window_steps]
+    if len(recent) + len(dead) <= r.max_restarts:
+        return None
+    return (f"rollout engine(s) {dead} died at step {step} ({why}); {len(recent)} engine replacement(s) in the last "
+            f"{r.restart_window_steps} steps, and rollout.max_restarts={r.max_restarts} allows no more: stopping. "
+            f"The engines' logs are under /tmp/ray/session_latest/logs (actor rollout-<k>); resume from the last "
+            f"checkpoint with checkpoint.resume=auto")
 
 
 def _ratio(a: float, b: float) -> float | None:

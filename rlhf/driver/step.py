@@ -66,7 +66,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
         differs = batch_route_differs([u.logprobs for u in updates])
     with run.phase("weight sync", step):
-        sync = roles.sync_weights(run.inputs.sync, step, run.inputs.same_device)
+        sync = run.sync_weights(step)
     run.trace_ranks("weight sync", roles.trainer + roles.engines, sync.sends + sync.receives, step)
     if switch:
         with run.phase("switch to rollout", step):

@@ -1,0 +1,45 @@
+"""Engine replacement's budget and the chaos entries (the replacement itself runs end to end in
+tests/e2e/test_rl_run.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import load_run_config
+from rlhf.driver.run import restart_refusal
+from rlhf.errors import ConfigError
+from rlhf.schema import RolloutConfig, engine_kills
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def test_replacements_are_refused_beyond_max_restarts_within_the_window():
+    r = RolloutConfig(max_restarts=2, restart_window_steps=10)
+    assert restart_refusal([], 1, [0], "died", r) is None
+    assert restart_refusal([1], 5, [1], "died", r) is None  # the second within the window
+    why = restart_refusal([1, 5], 7, [0], "rollout rank 0: generate failed", r)
+    assert why and "engine(s) [0] died at step 7 (rollout rank 0: generate failed)" in why
+    assert "rollout.max_restarts=2" in why and "checkpoint.resume=auto" in why
+    assert restart_refusal([1, 5], 11, [0], "died", r) is None  # step 1's replacement left the window
+    assert restart_refusal([], 3, [0, 1, 2], "died", r)  # three at once exceed two
+    assert restart_refusal([], 3, [0], "died", RolloutConfig(max_restarts=0))  # 0: a dead engine stops the run
+
+
+def test_kill_entries_parse_and_bad_ones_name_what_to_write():
+    assert engine_kills(("1@3", "0@5:sync", "1@8:evaluate")) == [(3, 1, "generate"), (5, 0, "sync"), (8, 1, "evaluate")]
+    for bad in ("3:1", "1@x", "13", "1@3:boom"):
+        with pytest.raises(ValueError, match="ENGINE@STEP" if bad != "1@3:boom" else "none of generate, sync"):
+            engine_kills((bad,))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["chaos.kill_engines=[2@3]"], "engines are 0..1"),  # the tiny job has two engines
+    (["chaos.kill_engines=[1@400]"], "steps 1..350"),
+    (["chaos.kill_engines=[1@3:later]"], "none of generate, sync, evaluate"),
+    (["chaos.kill_engines=[1@3]", "stale_sync.max_staleness=1"], "synchronous loop only"),
+    (["rollout.max_restarts=-1"], "rollout.max_restarts = -1"),
+    (["rollout.restart_window_steps=0"], "rollout.restart_window_steps = 0"),
+])
+def test_bad_fault_settings_are_refused_before_any_actor_starts(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_run_config(REPO / "configs/tiny_cpu.yaml", overrides)
