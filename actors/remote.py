@@ -125,6 +125,8 @@ def settle(refs, timeout_s: float) -> None:
     errors as unhandled)."""
     import ray
 
+    if not refs:
+        return
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     for ref in ready:
         try:

@@ -122,9 +122,9 @@ class Roles:
                  START_TIMEOUT_S)
 
     # --- dead engines ---
-    def dead_engines(self, probe_s: float = 10.0) -> list[int]:
+    def dead_engines(self, probe_s: float = 5.0) -> list[int]:
         """Engines whose actor is dead. A dead actor's call fails at once (Ray knows it died); a live one
-        busy with a long call is not waited for: an unanswered probe counts as alive."""
+        busy with a long call is not waited for: a probe unanswered within `probe_s` counts as alive."""
         import ray
 
         refs = [e.submit("shm_prefixes") for e in self.engines]

@@ -290,11 +290,15 @@ class Run:
         except RoleError as e:
             if self.roles.recover is None:
                 raise
-            settle(e.pending, self.roles.timeout_s)  # the peers' sends and receives end (failed: a peer died)
+            # The peers of a dead engine fail at once (a closed connection) or wait in a receive that the
+            # group's re-forming releases (its members leave the old group first); not their timeout.
+            settle(e.pending, 5.0)
             dead = self.roles.dead_engines()
             if not dead:
                 raise
-            return self.recover_engines(dead, str(e), version)
+            sync = self.recover_engines(dead, str(e), version)
+            settle(e.pending, 0.0)  # ended now: their errors read, not reported by Ray as unhandled
+            return sync
 
     def recover_engines(self, dead: list[int], why: str, version: int | None = None) -> SyncReplies:
         """Replace the dead engines on their placement slots, re-form the weight-sync group and install
