@@ -39,7 +39,9 @@ class Roles:
     sync_layout: Any = None
     sync_backend: str = "gloo"
     sync_timeout_s: float = 120.0
+    start_policy: Optional[Callable[..., tuple]] = None  # every trainer and reference rank on its slot
     engine_shm: list = field(default_factory=list)  # each engine's shared-memory prefixes
+    policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
     version: int = 0  # the weights every engine serves (the last sync's)
     # set by the driver: replaces dead engines (indices, what failed) and installs `version` in them; None: a
     # death raises
@@ -70,11 +72,17 @@ class Roles:
             return actor_options(dm, p, role, rank).spawn_kwargs(pgs) | {"name_prefix": name_prefix}
 
         dt, W = p.device_type, sync_layout.trainer.world_size
-        trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
-                         **slot("trainer", r)) for r in range(W)]
         ref_trainer = replace(cfg.trainer, routing_replay=RoutingReplay.off)  # the policy's routes are not its own
-        reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
-                           **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
+
+        def start_policy(stale_pids: Sequence[int] = ()) -> tuple[list[RoleHandle], list[RoleHandle]]:
+            """Trainer and reference ranks on their slots; `stale_pids`: the processes they replace."""
+            trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
+                             stale_pids=tuple(stale_pids), **slot("trainer", r)) for r in range(W)]
+            reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
+                               **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
+            return trainer, reference
+
+        trainer, reference = start_policy()
         rpe = dm.ranks_per_engine
         # partial rollouts: a sync's install runs on a second thread while the generation parks between steps
         # (a third for an evaluation waiting its turn)
@@ -96,20 +104,38 @@ class Roles:
             rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
         roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60)
-        roles.start_engine, roles.sync_layout = start_engine, sync_layout
+        roles.start_engine, roles.start_policy, roles.sync_layout = start_engine, start_policy, sync_layout
         roles.sync_backend = backend_for(dt.value, cfg.trainer.backend.value)
         roles.sync_timeout_s = cfg.trainer.collective_timeout_s
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
             f"{len(rewards)} reward worker(s) starting")
-        for group in (trainer, reference):
-            if group:
-                addr = group[0].call("address")
-                call_all([(h, "init", addr, {}) for h in group], START_TIMEOUT_S)
+        roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
         return roles
+
+    def init_policy(self) -> None:
+        """Trainer and reference ranks form their process groups and load their shards."""
+        for group in (self.trainer, self.reference):
+            if group:
+                addr = group[0].call("address")
+                call_all([(h, "init", addr, {}) for h in group], START_TIMEOUT_S)
+        self.policy_pids = call_all([(h, "pid", (), {}) for h in self.trainer + self.reference], START_TIMEOUT_S)
+
+    def restart_policy(self) -> None:
+        """Every trainer and reference rank stopped and started again on its slot (a process group cannot
+        take a new member: all are new), their groups formed, the weights loaded from the model directory,
+        and the weight-sync group re-formed. The caller restores a checkpoint."""
+        for h in self.trainer + self.reference:
+            try:
+                h.kill()
+            except Exception:
+                pass
+        self.trainer, self.reference = self.start_policy(stale_pids=self.policy_pids)
+        self.init_policy()
+        self.join_sync()
 
     def join_sync(self) -> None:
         """Every trainer rank and engine (re)joins the weight-sync group, on a fresh port: the group is
@@ -122,7 +148,7 @@ class Roles:
                  START_TIMEOUT_S)
 
     # --- dead engines ---
-    def dead_engines(self, probe_s: float = 5.0) -> list[int]:
+    def dead_engines(self, probe_s: float = 1.0) -> list[int]:
         """Engines whose actor is dead. A dead actor's call fails at once (Ray knows it died); a live one
         busy with a long call is not waited for: a probe unanswered within `probe_s` counts as alive."""
         import ray
@@ -158,7 +184,8 @@ class Roles:
             per_rank: Sequence[dict] | None = None, **kwargs) -> list:
         """`method` on every rank at once; `per_rank`: keyword arguments of each rank's own."""
         extra = per_rank or [{}] * len(group)
-        return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s)
+        return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s,
+                        on_submit=lambda: self.inject(method))
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate", **kwargs) -> list:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.

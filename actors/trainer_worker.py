@@ -11,6 +11,7 @@ The reference is a `PolicyWorker`: the same sharded model, frozen, offloaded bet
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -41,6 +42,9 @@ class PolicyWorker:
 
     def address(self) -> tuple[str, int]:
         return node_address()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def init(self, master_addr: str, master_port: int) -> dict:
         """Join this role's process group and load this rank's shards."""
@@ -87,8 +91,14 @@ class TrainerWorker(PolicyWorker):
     """A rank of the policy trainer: logprobs, the policy update, weight sync, checkpoints."""
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, algorithm_cfg: AlgorithmConfig,
-                 device_type: DeviceType, rank: int, model_dir: str, threads: int = 1):
+                 device_type: DeviceType, rank: int, model_dir: str, threads: int = 1, stale_pids: Sequence[int] = ()):
+        """`stale_pids`: trainer ranks this one's start replaces (killed): the weight-sync shared-memory
+        segments they created and could not unlink are removed."""
         super().__init__(model_cfg, trainer_cfg, device_type, rank, model_dir, threads)
+        from weight_sync.shm import remove_segments_of
+
+        for pid in stale_pids:
+            remove_segments_of(pid)
         self.algo = algorithm_cfg
         self.sync_group = None
 

@@ -250,6 +250,10 @@ class TrainerConfig:
     zero_stage: int = 1
     backend: DistBackend = DistBackend.auto
     collective_timeout_s: float = 120.0
+    # A trainer or reference rank that dies: every such rank is started again on its slot, the last
+    # complete checkpoint restored and the steps since it redone (docs/faults.md), at most this many times
+    # in a run; 0, or no checkpoint to restore, stops the run with a message naming the rank.
+    max_restarts: int = 2
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr / warmup to lr
     lr_decay_steps: int = 0  # optimizer steps of cosine decay after the warmup, to lr * lr_min_ratio (0: constant)
@@ -377,6 +381,9 @@ class ChaosConfig:
     # "ENGINE@STEP:PHASE", PHASE one of generate (default: while the step's rollouts generate), sync (while
     # the step's weights are sent) or evaluate (during the held-out evaluation after the step).
     kill_engines: tuple[str, ...] = ()
+    # Trainer ranks the driver kills: "RANK@STEP" or "RANK@STEP:PHASE", PHASE one of update (the default:
+    # during the step's policy update), logprobs (the old-logprob pass) or sync (while it sends weights).
+    kill_trainer_ranks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -404,21 +411,31 @@ class RunConfig:
 
 
 KILL_PHASES = ("generate", "sync", "evaluate")
+TRAINER_KILL_PHASES = ("update", "logprobs", "sync")
 
 
 def engine_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
     """`chaos.kill_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
+    return _kills(entries, "ENGINE", KILL_PHASES)
+
+
+def trainer_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """`chaos.kill_trainer_ranks` as (step, rank, phase); ValueError naming the entry that is not one."""
+    return _kills(entries, "RANK", TRAINER_KILL_PHASES)
+
+
+def _kills(entries: tuple[str, ...], what: str, phases: tuple[str, ...]) -> list[tuple[int, int, str]]:
     out = []
     for e in entries:
         where, _, phase = str(e).partition(":")
-        engine, at, step = where.partition("@")
+        index, at, step = where.partition("@")
         try:
             if not at:
                 raise ValueError
-            step, engine, phase = int(step), int(engine), phase or "generate"
+            step, index, phase = int(step), int(index), phase or phases[0]
         except ValueError:
-            raise ValueError(f"{e!r} is not ENGINE@STEP or ENGINE@STEP:PHASE (e.g. 1@3 or 1@3:sync)") from None
-        if phase not in KILL_PHASES:
-            raise ValueError(f"{e!r}: phase {phase!r} is none of {', '.join(KILL_PHASES)}")
-        out.append((step, engine, phase))
+            raise ValueError(f"{e!r} is not {what}@STEP or {what}@STEP:PHASE (e.g. 1@3 or 1@3:{phases[1]})") from None
+        if phase not in phases:
+            raise ValueError(f"{e!r}: phase {phase!r} is none of {', '.join(phases)}")
+        out.append((step, index, phase))
     return out

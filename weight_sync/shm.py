@@ -93,6 +93,17 @@ def _unlink(path: str) -> None:
         pass
 
 
+def remove_segments_of(pid: int) -> list[str]:
+    """Remove the segments a process of this node created and never unlinked (it was killed mid-sync)."""
+    import glob
+
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{NAME_PREFIX}{int(pid)}-*")):
+        _unlink(path)
+        removed.append(os.path.basename(path))
+    return removed
+
+
 def segment_bytes(largest_bucket: int) -> int:
     """Two slots, each the largest bucket rounded up to 4 KiB (slot offsets stay aligned for every dtype)."""
     return 2 * max(_ALIGN, -(-largest_bucket // _ALIGN) * _ALIGN)

@@ -12,7 +12,8 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills)
+                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills,
+                         trainer_kills)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]
@@ -172,6 +173,9 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.steps < 1 or cfg.eval_every < 1:
         p.append(Problem("steps" if cfg.steps < 1 else "eval_every", cfg.steps if cfg.steps < 1 else cfg.eval_every,
                          "must be >= 1"))
+    if t.max_restarts < 0:
+        p.append(Problem("trainer.max_restarts", t.max_restarts, "must be >= 0 (0: a dead trainer rank stops "
+                         "the run)"))
     if t.collective_timeout_s <= 0:
         p.append(Problem("trainer.collective_timeout_s", t.collective_timeout_s, "must be > 0 so a hung collective times out"))
     if cfg.checkpoint.resume not in ("never", "auto") and not cfg.checkpoint.resume:
@@ -270,19 +274,23 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def chaos_problems(cfg: RunConfig) -> list[Problem]:
-    try:
-        kills = engine_kills(cfg.chaos.kill_engines)
-    except ValueError as e:
-        return [Problem("chaos.kill_engines", list(cfg.chaos.kill_engines), str(e))]
-    p = []
-    for step, engine, _ in kills:
-        if not 0 <= engine < cfg.rollout.num_engines or not 1 <= step <= cfg.steps:
-            p.append(Problem("chaos.kill_engines", list(cfg.chaos.kill_engines),
-                             f"engine {engine} at step {step}: engines are 0..{cfg.rollout.num_engines - 1}, steps "
-                             f"1..{cfg.steps}"))
-    if kills and cfg.stale_sync.max_staleness > 0:
-        p.append(Problem("chaos.kill_engines", list(cfg.chaos.kill_engines), "engines are replaced in the "
-                         "synchronous loop only (stale_sync.max_staleness: 0) so far"))
+    c, p = cfg.chaos, []
+    world = cfg.trainer.pp * cfg.trainer.dp * cfg.trainer.tp
+    for key, parse, count, what in (("kill_engines", engine_kills, cfg.rollout.num_engines, "engines"),
+                                    ("kill_trainer_ranks", trainer_kills, world, "trainer ranks")):
+        entries = getattr(c, key)
+        try:
+            kills = parse(entries)
+        except ValueError as e:
+            p.append(Problem(f"chaos.{key}", list(entries), str(e)))
+            continue
+        for step, index, _ in kills:
+            if not 0 <= index < count or not 1 <= step <= cfg.steps:
+                p.append(Problem(f"chaos.{key}", list(entries), f"{index}@{step}: {what} are 0..{count - 1}, steps "
+                                 f"1..{cfg.steps}"))
+        if kills and cfg.stale_sync.max_staleness > 0:
+            p.append(Problem(f"chaos.{key}", list(entries), "dead roles are replaced in the synchronous loop only "
+                             "(stale_sync.max_staleness: 0) so far"))
     return p
 
 

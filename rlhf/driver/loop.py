@@ -16,7 +16,8 @@ import time
 
 from rlhf.driver.async_loop import train_async
 from rlhf.driver.rollout import collect
-from rlhf.driver.run import Run
+from actors.remote import RoleError
+from rlhf.driver.run import Run, policy_died
 from rlhf.driver.step import learn
 from rlhf.parity import logprob_parity
 from rlhf.schema import RunConfig
@@ -27,18 +28,31 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
         return train_async(cfg, log)
     run = Run.start(cfg, log)
     try:
-        roles, acc_start = run.roles, run.evaluate(run.step)
-        for step in range(run.step + 1, cfg.steps + 1):
-            t_step, run.at_step = time.time(), step
-            with run.phase("rollout", step):
-                ro = collect(cfg, roles, run.inputs.sampler, run.inputs.tokenizer, step)
-            learned = learn(run, ro, step)
-            acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
-            run.checkpoint(step)
-            parity = logprob_parity(learned.old_logp, learned.batch.rollout_logp_BT, learned.batch.mask_BT)
-            run.record(step, ro, learned.batch, learned.entropy, parity, learned.updates, learned.sync, acc,
-                       time.time() - t_step, learned.route_metrics)
+        acc_start = run.evaluate(run.step)
+        step = run.step + 1
+        while step <= cfg.steps:
+            try:
+                run_step(run, step)
+            except RoleError as e:  # a dead trainer or reference rank: all restarted from the last checkpoint
+                if not policy_died(e) or cfg.stale_sync.max_staleness > 0:
+                    raise
+                run.restart_policy(e)
+                step = run.step + 1
+                continue
+            step += 1
         return run.finish(acc_start)
     except BaseException:
         run.close(failed=True)
         raise
+
+
+def run_step(run: Run, step: int) -> None:
+    cfg, t_step, run.at_step = run.cfg, time.time(), step
+    with run.phase("rollout", step):
+        ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, step)
+    learned = learn(run, ro, step)
+    acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
+    run.checkpoint(step)
+    parity = logprob_parity(learned.old_logp, learned.batch.rollout_logp_BT, learned.batch.mask_BT)
+    run.record(step, ro, learned.batch, learned.entropy, parity, learned.updates, learned.sync, acc,
+               time.time() - t_step, learned.route_metrics)

@@ -35,7 +35,7 @@ from rlhf.routing import route_share
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RolloutConfig, RunConfig, engine_kills
+from rlhf.schema import DeviceType, RolloutConfig, RunConfig, engine_kills, trainer_kills
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -134,8 +134,11 @@ class Run:
     extra_state: Optional[Callable[[], dict]] = None  # more driver state for checkpoints (StaleSync's queue)
     at_step: int = 0  # the step in progress (or the one just evaluated): where faults are counted and injected
     trainer_offloaded: bool = False  # co-location: the trainer's state is in host memory (engines' turn)
+    engines_asleep: bool = False  # co-location: the engines released their memory (trainer's turn)
     engine_restarts: list[int] = field(default_factory=list)  # the step of each engine replacement
-    kills: list = field(default_factory=list)  # chaos.kill_engines still to inject: (step, engine, phase)
+    trainer_restarts: int = 0  # times every trainer and reference rank was restarted from a checkpoint
+    steps_redone: int = 0  # steps done again after those restarts
+    kills: list = field(default_factory=list)  # chaos kills still to inject: (step, role, index, phase)
     t0: float = field(default_factory=time.time)
 
     @staticmethod
@@ -156,7 +159,9 @@ class Run:
             # StaleSync's producer generates while the trainer updates: replacing an engine there (a new group
             # for every member, the weights installed) must wait for the trainer; not built yet (docs/faults.md)
             run.roles.recover = run.recover_engines if cfg.stale_sync.max_staleness == 0 else None
-            run.roles.inject, run.kills = run._inject, engine_kills(cfg.chaos.kill_engines)
+            run.roles.inject = run._inject
+            run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]
+                         + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)])
             run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
             run.ray_nodes = run.roles.ray_nodes()
             if inputs.resume_dir is not None:
@@ -222,7 +227,7 @@ class Run:
         roles = self.roles
         roles.all(roles.engines, engine_method)
         moved = roles.all(roles.trainer, trainer_method)
-        self.trainer_offloaded = trainer_method == "offload"
+        self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep"
         if trainer_method == "offload" and roles.reference:
             moved += roles.all(roles.reference, "offload")
         self.switch_bytes[trainer_method] = sum(moved)
@@ -292,7 +297,7 @@ class Run:
                 raise
             # The peers of a dead engine fail at once (a closed connection) or wait in a receive that the
             # group's re-forming releases (its members leave the old group first); not their timeout.
-            settle(e.pending, 5.0)
+            settle(e.pending, 2.0)
             dead = self.roles.dead_engines()
             if not dead:
                 raise
@@ -322,12 +327,57 @@ class Run:
         return sync
 
     def _inject(self, phase: str) -> None:
-        """chaos.kill_engines: kill the engines due at this step and phase, their calls just sent."""
-        due = [k for k in self.kills if k[0] == self.at_step and k[2] == phase]
-        for step, engine, _ in due:
-            self.kills.remove((step, engine, phase))
-            self.log(f"step {step}: chaos: killing rollout engine {engine} during {phase}")
-            self.roles.engines[engine].kill()
+        """chaos: kill the engines and trainer ranks due at this step and phase (`Roles` calls it with its
+        phase, or the method it fans out), their calls just sent."""
+        phase = {"send_weights": "sync"}.get(phase, phase)
+        for kill in [k for k in self.kills if k[0] == self.at_step and k[3] == phase]:
+            self.kills.remove(kill)
+            step, role, index, _ = kill
+            self.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
+            (self.roles.engines if role == "rollout" else self.roles.trainer)[index].kill()
+
+    def restart_policy(self, e: RoleError) -> None:
+        """A trainer or reference rank died: every such rank started again, the last complete checkpoint
+        restored (weights, optimizer, data cursor, RNG) and synced to the engines, so the loop goes on from
+        the step after it; the run's record of the steps since then is dropped (they are redone). Refused
+        past trainer.max_restarts, or with no checkpoint to restore."""
+        ckpt = self.last_checkpoint or self.inputs.resume_dir
+        refused = policy_restart_refusal(e, ckpt, self.trainer_restarts, self.cfg, self._policy_log(e))
+        if refused:
+            raise PolicyRestartRefused(refused) from e
+        failed_step = self.at_step
+        self.log(f"step {failed_step}: {e}; restarting every trainer and reference rank from {ckpt}")
+        with self.phase("trainer restart", failed_step):
+            self.roles.restart_policy()
+            self._resume(ckpt)  # the trainer offloaded: the engines' turn, as at the start of a step
+            if self.engines_asleep:
+                self.roles.all(self.roles.engines, "wake_up")
+                self.engines_asleep = False
+        # the failed step's phases are not the redone step's; the restart is reported with the first step redone
+        self.phase_seconds = {"trainer restart": self.phase_seconds["trainer restart"]}
+        self.trainer_restarts += 1
+        self.steps_redone += failed_step - 1 - self.step
+        self.history = [h for h in self.history if h["step"] <= self.step]
+        kept = [i for i, (s, _) in enumerate(self.accuracy) if s <= self.step]
+        self.accuracy = [self.accuracy[i] for i in kept]
+        self.accuracy_seconds = [self.accuracy_seconds[i] for i in kept]
+        self.log(f"step {failed_step}: trainer restarted ({self.trainer_restarts} in the run); steps {self.step + 1}.."
+                 f"{failed_step - 1} are redone")
+
+    def _policy_log(self, e: RoleError) -> list[str]:
+        """The last lines the dead rank's process wrote (Ray keeps them on its node: local runs only)."""
+        import glob
+
+        pids = self.roles.policy_pids
+        group = self.roles.trainer if e.role == "trainer" else self.roles.reference
+        i = e.rank + (len(self.roles.trainer) if e.role == "reference" else 0)
+        if i >= len(pids) or e.rank >= len(group):
+            return []
+        files = glob.glob(f"/tmp/ray/session_latest/logs/worker-*-{pids[i]}.err")
+        try:
+            return Path(files[0]).read_text(errors="replace").splitlines()[-8:] if files else []
+        except OSError:
+            return []
 
     # --- metrics ---
     def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
@@ -358,6 +408,7 @@ class Run:
         m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
         m.update(extra or {})
         m["faults/engine_restarts"] = len(self.engine_restarts)
+        m["faults/trainer_restarts"], m["faults/steps_redone"] = self.trainer_restarts, self.steps_redone
         self.phase_seconds = {}
         if acc is not None:
             m["accuracy/heldout"] = acc
@@ -420,7 +471,8 @@ class Run:
             "seconds_per_step": _ratio(self.train_seconds, len(self.history)),
             "staleness_max": max((h["staleness_max"] for h in self.history), default=None),
             "samples_dropped": self.samples_dropped,
-            "engine_restarts": len(self.engine_restarts),
+            "engine_restarts": len(self.engine_restarts), "trainer_restarts": self.trainer_restarts,
+            "steps_redone": self.steps_redone,
             "seconds": round(time.time() - self.t0, 1),
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -450,6 +502,28 @@ class Run:
 
             ray.shutdown()
             self.ray_owned = False
+
+
+class PolicyRestartRefused(RuntimeError):
+    """A trainer or reference rank died and the run cannot restart them (no checkpoint, or none left)."""
+
+
+def policy_died(e: BaseException) -> bool:
+    return isinstance(e, RoleError) and e.died and e.role in ("trainer", "reference")
+
+
+def policy_restart_refusal(e: RoleError, ckpt: Path | None, restarts: int, cfg: RunConfig,
+                           last_lines: list[str]) -> str | None:
+    """Why a dead trainer or reference rank does not lead to a restart (None: it does)."""
+    if ckpt is not None and restarts < cfg.trainer.max_restarts:
+        return None
+    why = ("no complete checkpoint to restart from (set checkpoint.every_steps to save one)" if ckpt is None else
+           f"trainer.max_restarts={cfg.trainer.max_restarts} restart(s) already made")
+    tail = "".join(f"\n    {line}" for line in last_lines)
+    resume = (f"rlhf train RUN.yaml checkpoint.dir={cfg.checkpoint.dir} checkpoint.resume=auto" if ckpt is not None
+              else "rlhf train RUN.yaml (from the start: nothing was saved)")
+    return (f"{e.role} rank {e.rank} died at {e.method} ({e}); {why}: stopping. Its last log lines:"
+            f"{tail or ' (none found under /tmp/ray/session_latest/logs)'}\n  resume with: {resume}")
 
 
 class EngineRestartsExhausted(RuntimeError):

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import load_run_config
-from rlhf.driver.run import restart_refusal
+from actors.remote import RoleError
+from rlhf.driver.run import policy_died, policy_restart_refusal, restart_refusal
 from rlhf.errors import ConfigError
-from rlhf.schema import RolloutConfig, engine_kills
+from rlhf.schema import RolloutConfig, engine_kills, trainer_kills
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -27,9 +28,23 @@ def test_replacements_are_refused_beyond_max_restarts_within_the_window():
 
 def test_kill_entries_parse_and_bad_ones_name_what_to_write():
     assert engine_kills(("1@3", "0@5:sync", "1@8:evaluate")) == [(3, 1, "generate"), (5, 0, "sync"), (8, 1, "evaluate")]
+    assert trainer_kills(("1@10", "0@4:sync")) == [(10, 1, "update"), (4, 0, "sync")]
     for bad in ("3:1", "1@x", "13", "1@3:boom"):
         with pytest.raises(ValueError, match="ENGINE@STEP" if bad != "1@3:boom" else "none of generate, sync"):
             engine_kills((bad,))
+
+
+def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_go_on():
+    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", ["trainer.max_restarts=1", "checkpoint.dir=/ck"])
+    dead = RoleError("trainer", 1, "update", "failed: the actor died (killed)", died=True)
+    assert policy_died(dead) and not policy_died(RoleError("trainer", 1, "update", "raised ValueError: x"))
+    assert not policy_died(RoleError("rollout", 0, "generate", "failed: the actor died", died=True))  # replaced alone
+    assert policy_restart_refusal(dead, Path("/ck/step_000008"), 0, cfg, []) is None
+    why = policy_restart_refusal(dead, None, 0, cfg, ["Traceback (most recent call last):", "MemoryError"])
+    assert why.startswith("trainer rank 1 died at update") and "set checkpoint.every_steps" in why
+    assert "MemoryError" in why and "from the start" in why
+    why = policy_restart_refusal(dead, Path("/ck/step_000008"), 1, cfg, [])
+    assert "trainer.max_restarts=1" in why and "checkpoint.dir=/ck checkpoint.resume=auto" in why
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -38,6 +53,9 @@ def test_kill_entries_parse_and_bad_ones_name_what_to_write():
     (["chaos.kill_engines=[1@3:later]"], "none of generate, sync, evaluate"),
     (["chaos.kill_engines=[1@3]", "stale_sync.max_staleness=1"], "synchronous loop only"),
     (["rollout.max_restarts=-1"], "rollout.max_restarts = -1"),
+    (["trainer.max_restarts=-1"], "trainer.max_restarts = -1"),
+    (["chaos.kill_trainer_ranks=[2@3]"], "trainer ranks are 0..1"),  # dp2 x ep2: two ranks (ep within dp)
+    (["chaos.kill_trainer_ranks=[1@3:generate]"], "none of update, logprobs, sync"),
     (["rollout.restart_window_steps=0"], "rollout.restart_window_steps = 0"),
 ])
 def test_bad_fault_settings_are_refused_before_any_actor_starts(overrides, key):
