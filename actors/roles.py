@@ -149,20 +149,16 @@ class Roles:
 
     # --- dead engines ---
     def dead_engines(self, probe_s: float = 1.0) -> list[int]:
-        """Engines whose actor is dead. A dead actor's call fails at once (Ray knows it died); a live one
-        busy with a long call is not waited for: a probe unanswered within `probe_s` counts as alive."""
-        import ray
+        """Engines whose actor is dead (`dead`)."""
+        return dead(self.engines, "shm_prefixes", probe_s)
 
-        refs = [e.submit("shm_prefixes") for e in self.engines]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
-        dead = []
-        for k, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    dead.append(k)
-        return dead
+    def dead_policy_rank(self, probe_s: float = 1.0) -> Optional[RoleHandle]:
+        """A trainer or reference rank whose actor is dead, if one is."""
+        for group in (self.trainer, self.reference):
+            gone = dead(group, "pid", probe_s)
+            if gone:
+                return group[gone[0]]
+        return None
 
     def replace_engines(self, dead: Sequence[int]) -> None:
         """New engines on the dead ones' placement slots (each removes the shared memory its predecessor's
@@ -271,6 +267,26 @@ class Roles:
                 pass
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
+
+
+def dead(group: Sequence[RoleHandle], method: str, probe_s: float = 1.0) -> list[int]:
+    """Indices of the ranks whose actor is dead, probed with a cheap `method`. A dead actor's call fails at
+    once (Ray knows it died); a live one busy with a long call is not waited for: a probe unanswered within
+    `probe_s` counts as alive."""
+    import ray
+
+    refs = [h.submit(method) for h in group]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
+    out = []
+    for i, ref in enumerate(refs):
+        if ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                out.append(i)
+    return out
 
 
 def connect(p, log=print) -> bool:

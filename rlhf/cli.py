@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     from actors.remote import RoleError
+    from rlhf.driver.run import EngineRestartsExhausted, PolicyRestartRefused
     from rlhf.errors import ConfigError
     from rlhf.data.prompts import DatasetError
 
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as e:
         print(f"rlhf {args.command}: {e}", file=sys.stderr)
         return 2
-    except RoleError as e:  # a role failed or timed out: its role, rank and method, not a hang
-        print(f"rlhf {args.command}: {e}", file=sys.stderr)
+    except (RoleError, EngineRestartsExhausted, PolicyRestartRefused) as e:  # a role failed, timed out or died
+        print(f"rlhf {args.command}: {e}", file=sys.stderr)  # (beyond what the run survives): role, rank, method
         return 1
 
 

@@ -17,7 +17,7 @@ import time
 from rlhf.driver.async_loop import train_async
 from rlhf.driver.rollout import collect
 from actors.remote import RoleError
-from rlhf.driver.run import Run, policy_died
+from rlhf.driver.run import Run
 from rlhf.driver.step import learn
 from rlhf.parity import logprob_parity
 from rlhf.schema import RunConfig
@@ -34,9 +34,10 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
             try:
                 run_step(run, step)
             except RoleError as e:  # a dead trainer or reference rank: all restarted from the last checkpoint
-                if not policy_died(e) or cfg.stale_sync.max_staleness > 0:
+                died = run.dead_policy_rank(e)
+                if died is None:
                     raise
-                run.restart_policy(e)
+                run.restart_policy(died)
                 step = run.step + 1
                 continue
             step += 1

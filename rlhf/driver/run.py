@@ -364,6 +364,17 @@ class Run:
         self.log(f"step {failed_step}: trainer restarted ({self.trainer_restarts} in the run); steps {self.step + 1}.."
                  f"{failed_step - 1} are redone")
 
+    def dead_policy_rank(self, e: RoleError) -> RoleError | None:
+        """The death of a trainer or reference rank behind `e`, as a RoleError naming that rank: `e` itself,
+        or (when a peer's failure came first: a closed connection, a stuck receive) the dead rank a probe
+        finds. None: no policy rank died."""
+        if policy_died(e):
+            return e
+        settle(e.pending, 2.0)
+        h = self.roles.dead_policy_rank()
+        return None if h is None else RoleError(h.role, h.rank, e.method, f"failed: the actor died (seen as: {e})",
+                                                died=True)
+
     def _policy_log(self, e: RoleError) -> list[str]:
         """The last lines the dead rank's process wrote (Ray keeps them on its node: local runs only)."""
         import glob
@@ -375,9 +386,10 @@ class Run:
             return []
         files = glob.glob(f"/tmp/ray/session_latest/logs/worker-*-{pids[i]}.err")
         try:
-            return Path(files[0]).read_text(errors="replace").splitlines()[-8:] if files else []
+            lines = Path(files[0]).read_text(errors="replace").splitlines() if files else []
         except OSError:
             return []
+        return [line for line in lines if line.strip() and not line.startswith(":")][-8:]  # ":job_id:" etc. are Ray's
 
     # --- metrics ---
     def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
