@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -164,13 +165,15 @@ def main() -> None:
     equal = sum(1 for s, m in calm_steps.items() if s in got and all(
         k.startswith(TIMING) or got[s].get(k) == v for k, v in m.items()))
     r = d["result"] or {}
+    said = (out / "driver.log").read_text(errors="replace")  # every process's log: a killed driver's result is lost
     survived = len(faults) if d["rc"] == 0 and r.get("steps_run") is not None and max(got, default=0) == a.steps else 0
     summary = {
         "seed": a.seed, "faults_injected": len(faults), "faults_survived": survived,
         "faults": faults,
-        "engine_restarts": r.get("engine_restarts"), "trainer_restarts": r.get("trainer_restarts"),
-        "driver_restarts": d["driver_restarts"],
-        "steps_redone": (r.get("steps_redone") or 0) + d["steps_redone_by_resume"],
+        "engine_restarts": sum(len(k.split(",")) for k in re.findall(r"engine\(s\) \[([\d, ]+)\] replaced and serving", said)),
+        "trainer_restarts": said.count(": trainer restarted ("), "driver_restarts": d["driver_restarts"],
+        "steps_redone": sum(max(0, int(b) - int(a) + 1) for a, b in re.findall(r"steps (\d+)\.\.(\d+) are redone", said))
+                        + d["steps_redone_by_resume"],
         "samples_lost": lost, "steps": a.steps, "steps_equal_to_undisturbed": equal,
         "heldout_accuracy_end": r.get("heldout_accuracy_end"),
         "heldout_accuracy_end_undisturbed": calm["heldout_accuracy_end"],
