@@ -170,7 +170,8 @@ def main() -> None:
     summary = {
         "seed": a.seed, "faults_injected": len(faults), "faults_survived": survived,
         "faults": faults,
-        "engine_restarts": sum(len(k.split(",")) for k in re.findall(r"engine\(s\) \[([\d, ]+)\] replaced and serving", said)),
+        "engine_restarts": sum(len(k.split(",")) for k in re.findall(r"engine\(s\) \[([\d, ]+)\] replaced and serving",
+                                                                      said)),
         "trainer_restarts": said.count(": trainer restarted ("), "driver_restarts": d["driver_restarts"],
         "steps_redone": sum(max(0, int(b) - int(a) + 1) for a, b in re.findall(r"steps (\d+)\.\.(\d+) are redone", said))
                         + d["steps_redone_by_resume"],
