@@ -43,9 +43,9 @@ class Roles:
     engine_shm: list = field(default_factory=list)  # each engine's shared-memory prefixes
     policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
     version: int = 0  # the weights every engine serves (the last sync's)
-    # set by the driver: replaces dead engines (indices, what failed) and installs `version` in them; None: a
-    # death raises
-    recover: Optional[Callable[[list[int], str], Any]] = None
+    # set by the driver: replaces dead engines (indices, what failed, the handles that died) and installs
+    # `version` in them; None: a death raises
+    recover: Optional[Callable[..., Any]] = None
     inject: Callable[[str], None] = lambda phase: None  # chaos: kills engines as a phase's calls go out
 
     @staticmethod
@@ -195,11 +195,12 @@ class Roles:
         chunks = [list(range(i, len(prompts), k)) for i in range(k)]
 
         def call(e: int) -> tuple:  # seeds by the prompt's place in the whole call: not by the engine count
-            return (self.engines[e], "generate", ([prompts[i] for i in chunks[e]],),
+            return (calls_made[e], "generate", ([prompts[i] for i in chunks[e]],),
                     dict(n=n, seed=[prompt_seed(seed, i) for i in chunks[e]], **kwargs))
 
         todo, outs = [e for e in range(k) if chunks[e]], [[] for _ in range(k)]
         while todo:
+            calls_made = {e: self.engines[e] for e in todo}  # the handles called (another thread may replace one)
             results = call_each([call(e) for e in todo], self.timeout_s,
                                 on_submit=lambda: self.inject(phase))
             dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and r.died]
@@ -209,7 +210,8 @@ class Roles:
                 if e not in dead:
                     outs[e] = r
             if dead:
-                self.recover(dead, str(next(r for e, r in zip(todo, results) if e in dead)))
+                self.recover(dead, str(next(r for e, r in zip(todo, results) if e in dead)),
+                             [calls_made[e] for e in dead])
             todo = dead
         merged = [replace(c, prompt_index=idx[c.prompt_index]) for idx, out in zip(chunks, outs) for c in out]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order

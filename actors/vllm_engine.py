@@ -154,10 +154,11 @@ class VLLMEngine:
                   timeout_s: float = 120.0) -> list[int]:
         """Every worker joins the weight-sync group, as transfer rank `first_rank` + its engine rank (leaving
         the group it was in: a re-formed group replaces it)."""
-        if self.sync_ranks:
-            self.llm.collective_rpc("rlhf_leave_sync")
-        self.sync_ranks = self.llm.collective_rpc("rlhf_join_sync",
-                                                  args=(host, port, first_rank, world_size, backend, timeout_s))
+        with self._installing():  # an interruptible generation in progress parks between two decode steps
+            if self.sync_ranks:
+                self.llm.collective_rpc("rlhf_leave_sync")
+            self.sync_ranks = self.llm.collective_rpc("rlhf_join_sync",
+                                                      args=(host, port, first_rank, world_size, backend, timeout_s))
         return self.sync_ranks
 
     def link_probe(self, peer: int, nbytes: int, rounds: int) -> float:

@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     from actors.remote import RoleError
-    from rlhf.driver.run import EngineRestartsExhausted, PolicyRestartRefused
-    from rlhf.errors import ConfigError
+    from rlhf.errors import ConfigError, EngineRestartsExhausted, PolicyRestartRefused
     from rlhf.data.prompts import DatasetError
 
     try:

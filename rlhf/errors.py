@@ -1,5 +1,6 @@
 """What every configuration check reports: a `Problem` (key, value seen, what to change) and the
-`ConfigError` that carries all problems of a config at once. Pure; imports nothing of ours."""
+`ConfigError` that carries all problems of a config at once; and the faults a run stops on because it may
+not survive them (more than its restart budgets). Pure; imports nothing of ours."""
 
 from __future__ import annotations
 
@@ -30,3 +31,11 @@ def raise_problems(problems: Sequence[Problem], what: str) -> None:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+class EngineRestartsExhausted(RuntimeError):
+    """More rollout engines died within the window than rollout.max_restarts allows (docs/faults.md)."""
+
+
+class PolicyRestartRefused(RuntimeError):
+    """A trainer or reference rank died and the run cannot restart them: no checkpoint, or none left."""

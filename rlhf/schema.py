@@ -378,8 +378,9 @@ class ChaosConfig:
     """Faults injected on purpose, to see a run survive them (docs/faults.md); empty in real runs."""
 
     # Rollout engines the driver kills (the actor's process, as `ray.kill` does): each entry "ENGINE@STEP" or
-    # "ENGINE@STEP:PHASE", PHASE one of generate (default: while the step's rollouts generate), sync (while
-    # the step's weights are sent) or evaluate (during the held-out evaluation after the step).
+    # "ENGINE@STEP:PHASE", PHASE one of generate (default: while the step's rollouts generate; under StaleSync
+    # the batch made for the step), sync (while the step's weights are sent) or evaluate (during the held-out
+    # evaluation after the step).
     kill_engines: tuple[str, ...] = ()
     # Trainer ranks the driver kills: "RANK@STEP" or "RANK@STEP:PHASE", PHASE one of update (the default:
     # during the step's policy update), logprobs (the old-logprob pass) or sync (while it sends weights).

@@ -88,6 +88,7 @@ class Producer:
                     if self.stopping:
                         return
                     b, self.busy = self.next_batch, True
+                run.producer_batch = b  # where chaos kills of its generation land
                 t0 = time.time()
                 ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b)
                 run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
@@ -108,16 +109,24 @@ class Producer:
             raise ProducerError(f"the rollout producer failed: {self.error}") from self.error
 
     def wait(self, until: Callable[[], bool]) -> None:
-        """Block until `until()` (read under the lock) or the producer fails."""
-        with self.cond:
-            while not until():
+        """Block until `until()` (read under the lock) or the producer fails; meanwhile replace the engines the
+        producer found dead (the trainer is idle here), or it would wait for us as we wait for it."""
+        while True:
+            self.run.serve_recoveries()
+            with self.cond:
                 self.check()
+                if until():
+                    return
                 done = self.next_batch > self.last_batch and not self.busy  # nothing left to make
-                if (done or not self.thread.is_alive()) and not until():
+                if done or not self.thread.is_alive():
                     raise ProducerError(f"the rollout producer made every batch up to {self.last_batch} and the "
                                         "trainer's batch is still short")
-                self.cond.wait(WAIT_POLL_S)
-            self.check()
+                if not self.run.recovery_pending():
+                    self.cond.wait(WAIT_POLL_S)
+
+    def notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
 
     def serve(self, version: int) -> None:
         """The engines serve `version` now: batches waiting for it may start."""
@@ -135,9 +144,14 @@ class Producer:
         """The producer idle (its batch in flight finished and queued) for as long as the block runs."""
         with self.cond:
             self.paused = True
-            while self.busy and self.error is None:
-                self.cond.wait(WAIT_POLL_S)
-            self.check()
+        while True:  # an engine the batch in flight found dead is replaced here, or the batch never finishes
+            self.run.serve_recoveries()
+            with self.cond:
+                if not self.busy or self.error is not None:
+                    self.check()
+                    break
+                if not self.run.recovery_pending():
+                    self.cond.wait(WAIT_POLL_S)
         try:
             yield
         finally:
@@ -236,6 +250,7 @@ def train_async(cfg: RunConfig, log) -> dict:
                 run.samples_dropped = queue.dropped * cfg.algorithm.group_size
                 log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
         producer = Producer(run, queue, next_batch, next_seq)
+        run.wake_main = producer.notify
         run.extra_state = lambda: {"stale_sync": {"queue": queue.state(), "next_batch": producer.next_batch,
                                                   "next_seq": producer.next_seq}}
         acc_start = run.evaluate(run.step)
@@ -246,6 +261,7 @@ def train_async(cfg: RunConfig, log) -> dict:
                 groups = take_batch(run, queue, producer, step)
             ro = to_rollout(groups)
             learned = learn(run, ro, step, switch=False)
+            run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
             producer.serve(step)
             acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
@@ -264,9 +280,11 @@ def train_async(cfg: RunConfig, log) -> dict:
                       "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.route_metrics
             run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
                        time.time() - t_step, extra)
+        run.close_recoveries()
         producer.stop(run.roles.timeout_s)
         return run.finish(acc_start)
     except BaseException:
+        run.close_recoveries()
         if producer is not None:
             producer.stop(0)
         run.close(failed=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,6 @@ from typing import Callable, Optional
 import torch
 
 from actors.replies import SyncReplies, UpdateReply
-from actors.remote import RoleError, settle
 from actors.roles import Roles, connect
 from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
@@ -26,6 +26,7 @@ from rlhf.config.load import as_dict
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
+from rlhf.driver.faults import Recovery
 from rlhf.driver.metrics import expert_parallel_load, progress_fields, step_metrics
 from rlhf.layout import default_expert_map
 from rlhf.driver.rollout import Rollout, heldout_accuracy
@@ -35,7 +36,7 @@ from rlhf.routing import route_share
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RolloutConfig, RunConfig, engine_kills, trainer_kills
+from rlhf.schema import DeviceType, RunConfig, engine_kills, trainer_kills
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -103,7 +104,7 @@ class RunInputs:
 
 
 @dataclass
-class Run:
+class Run(Recovery):
     """One run: its inputs, its roles once started, and what it has done so far."""
 
     cfg: RunConfig
@@ -139,6 +140,14 @@ class Run:
     trainer_restarts: int = 0  # times every trainer and reference rank was restarted from a checkpoint
     steps_redone: int = 0  # steps done again after those restarts
     kills: list = field(default_factory=list)  # chaos kills still to inject: (step, role, index, phase)
+    # Engine replacement asked for by another thread (StaleSync's producer) is done by this one, the driver's
+    # main thread, where it knows the trainer idle (`serve_recoveries`).
+    main_thread: threading.Thread = field(default_factory=threading.current_thread)
+    recovery_cv: threading.Condition = field(default_factory=threading.Condition)
+    recovery_requests: list = field(default_factory=list)
+    recovery_closed: bool = False
+    wake_main: Callable[[], None] = lambda: None  # the main thread may be waiting on another condition
+    producer_batch: int = 0  # StaleSync: the batch the producer makes (where its generation's kills land)
     t0: float = field(default_factory=time.time)
 
     @staticmethod
@@ -156,9 +165,7 @@ class Run:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
                 run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
-            # StaleSync's producer generates while the trainer updates: replacing an engine there (a new group
-            # for every member, the weights installed) must wait for the trainer; not built yet (docs/faults.md)
-            run.roles.recover = run.recover_engines if cfg.stale_sync.max_staleness == 0 else None
+            run.roles.recover = run.recover_engines
             run.roles.inject = run._inject
             run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]
                          + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)])
@@ -286,110 +293,7 @@ class Run:
         self.trainer_offloaded = True
         self.log(f"resumed from {d} at step {self.step}")
 
-    # --- faults ---
-    def sync_weights(self, version: int) -> SyncReplies:
-        """The weight sync of `version` to every engine; an engine that died before or during it is replaced
-        (`recover_engines`) and the sync done again, to all."""
-        try:
-            return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
-        except RoleError as e:
-            if self.roles.recover is None:
-                raise
-            # The peers of a dead engine fail at once (a closed connection) or wait in a receive that the
-            # group's re-forming releases (its members leave the old group first); not their timeout.
-            settle(e.pending, 2.0)
-            dead = self.roles.dead_engines()
-            if not dead:
-                raise
-            sync = self.recover_engines(dead, str(e), version)
-            settle(e.pending, 0.0)  # ended now: their errors read, not reported by Ray as unhandled
-            return sync
-
-    def recover_engines(self, dead: list[int], why: str, version: int | None = None) -> SyncReplies:
-        """Replace the dead engines on their placement slots, re-form the weight-sync group and install
-        `version` (default: what the others serve) in every engine, checksummed as every sync is. Refused once
-        rollout.max_restarts replacements fall within the last rollout.restart_window_steps steps."""
-        refused = restart_refusal(self.engine_restarts, self.at_step, dead, why, self.cfg.rollout)
-        if refused:
-            raise EngineRestartsExhausted(refused)
-        step = self.at_step
-        version = self.roles.version if version is None else version
-        self.log(f"step {step}: rollout engine(s) {dead} died ({why}); replacing them and installing weights "
-                 f"version {version}")
-        with self.phase("engine restart", step):
-            self.roles.replace_engines(dead)
-            sync = self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
-            if self.trainer_offloaded:  # sending onloaded the trainer: back to the engines' turn
-                self.roles.all(self.roles.trainer, "offload")
-        self.engine_restarts += [step] * len(dead)
-        self.log(f"step {step}: engine(s) {dead} replaced and serving version {version} "
-                 f"({len(self.engine_restarts)} replacement(s) in the run)")
-        return sync
-
-    def _inject(self, phase: str) -> None:
-        """chaos: kill the engines and trainer ranks due at this step and phase (`Roles` calls it with its
-        phase, or the method it fans out), their calls just sent."""
-        phase = {"send_weights": "sync"}.get(phase, phase)
-        for kill in [k for k in self.kills if k[0] == self.at_step and k[3] == phase]:
-            self.kills.remove(kill)
-            step, role, index, _ = kill
-            self.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
-            (self.roles.engines if role == "rollout" else self.roles.trainer)[index].kill()
-
-    def restart_policy(self, e: RoleError) -> None:
-        """A trainer or reference rank died: every such rank started again, the last complete checkpoint
-        restored (weights, optimizer, data cursor, RNG) and synced to the engines, so the loop goes on from
-        the step after it; the run's record of the steps since then is dropped (they are redone). Refused
-        past trainer.max_restarts, or with no checkpoint to restore."""
-        ckpt = self.last_checkpoint or self.inputs.resume_dir
-        refused = policy_restart_refusal(e, ckpt, self.trainer_restarts, self.cfg, self._policy_log(e))
-        if refused:
-            raise PolicyRestartRefused(refused) from e
-        failed_step = self.at_step
-        self.log(f"step {failed_step}: {e}; restarting every trainer and reference rank from {ckpt}")
-        with self.phase("trainer restart", failed_step):
-            self.roles.restart_policy()
-            self._resume(ckpt)  # the trainer offloaded: the engines' turn, as at the start of a step
-            if self.engines_asleep:
-                self.roles.all(self.roles.engines, "wake_up")
-                self.engines_asleep = False
-        # the failed step's phases are not the redone step's; the restart is reported with the first step redone
-        self.phase_seconds = {"trainer restart": self.phase_seconds["trainer restart"]}
-        self.trainer_restarts += 1
-        self.steps_redone += failed_step - 1 - self.step
-        self.history = [h for h in self.history if h["step"] <= self.step]
-        kept = [i for i, (s, _) in enumerate(self.accuracy) if s <= self.step]
-        self.accuracy = [self.accuracy[i] for i in kept]
-        self.accuracy_seconds = [self.accuracy_seconds[i] for i in kept]
-        self.log(f"step {failed_step}: trainer restarted ({self.trainer_restarts} in the run); steps {self.step + 1}.."
-                 f"{failed_step - 1} are redone")
-
-    def dead_policy_rank(self, e: RoleError) -> RoleError | None:
-        """The death of a trainer or reference rank behind `e`, as a RoleError naming that rank: `e` itself,
-        or (when a peer's failure came first: a closed connection, a stuck receive) the dead rank a probe
-        finds. None: no policy rank died."""
-        if policy_died(e):
-            return e
-        settle(e.pending, 2.0)
-        h = self.roles.dead_policy_rank()
-        return None if h is None else RoleError(h.role, h.rank, e.method, f"failed: the actor died (seen as: {e})",
-                                                died=True)
-
-    def _policy_log(self, e: RoleError) -> list[str]:
-        """The last lines the dead rank's process wrote (Ray keeps them on its node: local runs only)."""
-        import glob
-
-        pids = self.roles.policy_pids
-        group = self.roles.trainer if e.role == "trainer" else self.roles.reference
-        i = e.rank + (len(self.roles.trainer) if e.role == "reference" else 0)
-        if i >= len(pids) or e.rank >= len(group):
-            return []
-        files = glob.glob(f"/tmp/ray/session_latest/logs/worker-*-{pids[i]}.err")
-        try:
-            lines = Path(files[0]).read_text(errors="replace").splitlines() if files else []
-        except OSError:
-            return []
-        return [line for line in lines if line.strip() and not line.startswith(":")][-8:]  # ":job_id:" etc. are Ray's
+    # --- faults: rlhf/driver/faults.py (Recovery) ---
 
     # --- metrics ---
     def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
@@ -514,44 +418,6 @@ class Run:
 
             ray.shutdown()
             self.ray_owned = False
-
-
-class PolicyRestartRefused(RuntimeError):
-    """A trainer or reference rank died and the run cannot restart them (no checkpoint, or none left)."""
-
-
-def policy_died(e: BaseException) -> bool:
-    return isinstance(e, RoleError) and e.died and e.role in ("trainer", "reference")
-
-
-def policy_restart_refusal(e: RoleError, ckpt: Path | None, restarts: int, cfg: RunConfig,
-                           last_lines: list[str]) -> str | None:
-    """Why a dead trainer or reference rank does not lead to a restart (None: it does)."""
-    if ckpt is not None and restarts < cfg.trainer.max_restarts:
-        return None
-    why = ("no complete checkpoint to restart from (set checkpoint.every_steps to save one)" if ckpt is None else
-           f"trainer.max_restarts={cfg.trainer.max_restarts} restart(s) already made")
-    tail = "".join(f"\n    {line}" for line in last_lines)
-    resume = (f"rlhf train RUN.yaml checkpoint.dir={cfg.checkpoint.dir} checkpoint.resume=auto" if ckpt is not None
-              else "rlhf train RUN.yaml (from the start: nothing was saved)")
-    return (f"{e.role} rank {e.rank} died at {e.method} ({e}); {why}: stopping. Its last log lines:"
-            f"{tail or ' (none found under /tmp/ray/session_latest/logs)'}\n  resume with: {resume}")
-
-
-class EngineRestartsExhausted(RuntimeError):
-    """More rollout engines died within the window than rollout.max_restarts allows."""
-
-
-def restart_refusal(restarts: list[int], step: int, dead: list[int], why: str, r: RolloutConfig) -> str | None:
-    """Why replacing the `dead` engines at `step` is refused (None: it is not), given the steps of the run's
-    earlier replacements: at most rollout.max_restarts within the last rollout.restart_window_steps steps."""
-    recent = [s for s in restarts if s > step - r.restart_window_steps]
-    if len(recent) + len(dead) <= r.max_restarts:
-        return None
-    return (f"rollout engine(s) {dead} died at step {step} ({why}); {len(recent)} engine replacement(s) in the last "
-            f"{r.restart_window_steps} steps, and rollout.max_restarts={r.max_restarts} allows no more: stopping. "
-            f"The engines' logs are under /tmp/ray/session_latest/logs (actor rollout-<k>); resume from the last "
-            f"checkpoint with checkpoint.resume=auto")
 
 
 def _ratio(a: float, b: float) -> float | None:

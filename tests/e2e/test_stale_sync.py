@@ -70,6 +70,23 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
         assert resumed[0][k] == steps[2][k], k
 
 
+def test_a_dead_engine_is_replaced_under_stalesync_and_every_group_is_trained_once(tiny, ray_session, tmp_path):
+    """The only engine killed while the producer generates batch 3 ahead of the trainer (partial rollouts on),
+    then again during step 4's weight sync: the driver's main thread replaces it where the trainer is idle,
+    the producer makes its batch again on the new engine, and every group is made and trained on once, in
+    order, within the bound."""
+    d, _ = tiny
+    out = tmp_path / "run"
+    result = train(_cfg(d, out, "steps=5", "eval_every=100", "stale_sync.max_staleness=1",
+                        "stale_sync.partial_rollout=true", "chaos.kill_engines=[0@3,0@4:sync]"))
+    P = 32
+    steps = _steps(out)
+    assert result["steps_run"] == 5 and result["engine_restarts"] == 2
+    assert result["staleness_max"] <= 1 and result["samples_dropped"] == 0
+    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(5)]
+    assert steps[-1]["faults/engine_restarts"] == 2 and result["parity_violations"] == 0
+
+
 def test_a_dead_producer_is_reported_with_its_role_and_rank(tiny, ray_session, tmp_path):
     """The reward worker dies while the producer scores a batch ahead: the run stops at once with an error
     naming the role and rank, instead of the trainer waiting for a batch that never comes."""

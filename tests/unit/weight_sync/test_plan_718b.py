@@ -22,7 +22,8 @@ def test_pangu_718b_plan_builds_and_counts_every_destination_byte():
     t0 = time.process_time()  # CPU seconds: the test machine's cores are shared
     plan = plan_reshard(src, dst, Topology.cm384())
     seconds = time.process_time() - t0
-    assert seconds < 10, f"718B plan took {seconds:.1f} CPU seconds"
+    # a guard against a planner gone quadratic, not a benchmark (about 10 CPU s here, 11.6 on a busy machine)
+    assert seconds < 30, f"718B plan took {seconds:.1f} CPU seconds"
     dst_bytes = 2 * sum(p.box.numel for r in dst.ranks for p in r.pieces)  # bfloat16
     assert plan.bytes_minimal == dst_bytes
     assert plan.bytes_network + plan.bytes_local == plan.bytes_minimal
