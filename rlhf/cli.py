@@ -5,6 +5,9 @@
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
     rlhf plan RUN.yaml [key=value ...]      device map, memory estimate, weight-sync plan (starts nothing)
     rlhf train RUN.yaml [key=value ...]     the RL run; on a cluster: ray job submit -- rlhf train RUN.yaml
+    rlhf simulate RUN.yaml [--hardware H] [--search [--devices N] [--top K] [--write DIR]] [key=value ...]
+                                            predicted step, phases, memory; the best layouts (starts nothing)
+    rlhf calibrate --out FILE               measure this machine as a hardware description for `simulate`
 
 Commands that produce a result end with one JSON line on stdout.
 """
@@ -83,6 +86,52 @@ def _plan(args) -> int:
     return 0
 
 
+def _simulate(args) -> int:
+    from rlhf.config import load_run_config
+    from rlhf.errors import ConfigError
+    from rlhf.sim import default_hardware, load_hardware, search_config, simulate, write_config
+    from rlhf.sim.report import search_lines, simulate_lines
+
+    cfg = load_run_config(args.config, args.overrides)
+    for name in ("prompt_tokens", "response_tokens", "devices", "top"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {v}: must be > 0")
+    if args.expert_load_skew < 1:
+        raise ConfigError(f"--expert-load-skew {args.expert_load_skew}: the busiest expert rank's load over the mean "
+                          f"is >= 1 (1: uniform routing)")
+    if (args.devices or args.write) and not args.search:
+        raise ConfigError("--devices and --write go with --search")
+    hw = load_hardware(args.hardware or default_hardware(cfg.placement.device_type.value))
+    lengths = dict(prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
+                   expert_load_skew=args.expert_load_skew)
+    if not args.search:
+        result = simulate(cfg, hw, plan=not args.no_plan, **lengths)
+        print("\n".join(simulate_lines(cfg, result)), file=sys.stderr, flush=True)
+        print(json.dumps(result))
+        return 0
+    found = search_config(cfg, hw, args.devices, args.top or 5, max_staleness=args.max_staleness, **lengths)
+    print("\n".join(search_lines(found)), file=sys.stderr, flush=True)
+    best = [{"configuration": str(r.candidate), **r.result} for r in found["ranked"]]
+    out = {k: v for k, v in found.items() if k != "ranked"} | {"best": best}
+    if args.write and found["ranked"]:
+        run, placement = write_config(cfg, found["ranked"][0].candidate, hw, args.write)
+        print(f"wrote {run} and {placement}: rlhf plan {run}", file=sys.stderr)
+        out["written"] = [str(run), str(placement)]
+    print(json.dumps(out))
+    return 0
+
+
+def _calibrate(args) -> int:
+    from rlhf.driver.calibrate import calibrate
+    from rlhf.sim.hardware import hardware_to_dict
+
+    hw = calibrate(args.out, threads=args.threads, vllm=not args.no_vllm,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(hardware_to_dict(hw)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf", description="RL post-training of MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +155,29 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", help="run YAML, e.g. configs/tiny_cpu.yaml")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.tp=2")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("simulate", help="predict a run's step on a hardware description; --search for the best layouts")
+    p.add_argument("config", help="run YAML, e.g. configs/cm384_pangu718b.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.tp=8")
+    p.add_argument("--hardware", help="hardware YAML or a name under configs/hardware (default: by the placement's "
+                                      "device type: cpu_2core, h800 for cuda, cm384 for npu)")
+    p.add_argument("--search", action="store_true", help="search layouts and placements, rank by tokens/s")
+    p.add_argument("--devices", type=int, help="devices to search over (default: the placement's)")
+    p.add_argument("--top", type=int, help="configurations to print (default 5)")
+    p.add_argument("--write", help="directory to write the best configuration to (run.yaml, placement.yaml)")
+    p.add_argument("--max-staleness", type=int, default=1, help="largest StaleSync bound the search tries")
+    p.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: data.max_prompt_tokens)")
+    p.add_argument("--response-tokens", type=float, help="mean generated tokens (default: rollout.max_new_tokens)")
+    p.add_argument("--expert-load-skew", type=float, default=1.0,
+                   help="busiest expert-parallel rank's load over the mean (the run's expert-load metrics)")
+    p.add_argument("--no-plan", action="store_true", help="estimate the sync's bytes instead of planning it")
+    p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("calibrate", help="measure this machine as a hardware description (a minute or two)")
+    p.add_argument("--out", required=True, help="hardware YAML to write, e.g. configs/hardware/cpu_2core.yaml")
+    p.add_argument("--threads", type=int, default=1, help="threads of one stand-in device (placement.cpus_per_device)")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM decode-step measurement")
+    p.set_defaults(func=_calibrate)
 
     args = parser.parse_args(argv)
     from actors.remote import RoleError

@@ -1,0 +1,194 @@
+"""How well `rlhf simulate` predicts this machine: real runs that differ in layout, placement, model (tiny,
+small), batch and length, each measured by benchmarks/e2e_bench.py; the simulator's calibration fitted on
+some of them, its predictions scored on the others (held out).
+
+    .venv/bin/rlhf calibrate --out configs/hardware/cpu_2core.yaml      # the machine's raw figures
+    .venv/bin/python -m benchmarks.sim_accuracy --write-calibration      # runs (~30 min), fit, score, write
+
+Each run's measurement is kept in out/sim_accuracy/<name>.json and reused (`--rerun` measures again). The
+policies have random weights (our code writes them), so completions run to the limit unless they stop on
+EOS; the simulator is given each run's measured mean prompt and completion lengths (the workload, not the
+timing). The last line is one JSON object: `step_mape_heldout` (mean absolute percentage error of the step
+on held-out runs), `spearman_heldout` and `spearman_all` (rank correlation of predicted and measured step
+times), per-phase errors and every run's prediction and measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "out" / "sim_accuracy"
+TINY = ["model.path=out/sim_accuracy/tiny", "data.train_files=[out/sim_accuracy/tiny/train.jsonl]",
+        "data.heldout_files=[out/sim_accuracy/tiny/heldout.jsonl]", "algorithm.dynamic_sampling=false",
+        "data.gen_prompts_per_step=0", "tracking.trace=false"]
+SMALL = ["tracking.trace=false"]
+ONE_DEVICE = ["placement.trainer.devices=0", "placement.reference.devices=0", "placement.rollout.devices=0"]
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    config: str
+    overrides: tuple
+    warmup: int
+    steps: int
+    heldout: bool
+
+
+RUNS = (
+    Run("tiny_default", "configs/tiny_cpu.yaml", (*TINY,), 3, 8, False),
+    Run("tiny_long", "configs/tiny_cpu.yaml", (*TINY, "rollout.max_new_tokens=32", "data.prompts_per_step=16"),
+        2, 6, False),
+    Run("tiny_on_policy", "configs/tiny_cpu.yaml", (*TINY, "trainer.mini_batch_size=512"), 3, 8, False),
+    Run("tiny_trainer_tp2", "configs/tiny_cpu.yaml", (*TINY, "trainer.tp=2", "trainer.dp=1", "trainer.ep=1"),
+        3, 8, False),
+    Run("small_default", "configs/small_cpu.yaml", (*SMALL,), 1, 2, False),
+    Run("tiny_one_device", "configs/tiny_cpu.yaml", (*TINY, "trainer.dp=1", "trainer.ep=1", "rollout.num_engines=1",
+                                                     *ONE_DEVICE), 3, 8, True),
+    Run("tiny_disaggregated", "configs/tiny_cpu_disaggregated.yaml", (*TINY,), 3, 8, True),
+    Run("tiny_engine_tp2", "configs/tiny_cpu.yaml", (*TINY, "rollout.tp=2", "rollout.num_engines=1"), 3, 8, True),
+    Run("tiny_mid", "configs/tiny_cpu.yaml", (*TINY, "rollout.max_new_tokens=16", "data.prompts_per_step=24",
+                                              "algorithm.group_size=8", "trainer.mini_batch_size=64"), 3, 8, True),
+    Run("small_short", "configs/small_cpu.yaml", (*SMALL, "rollout.max_new_tokens=64", "data.prompts_per_step=4"),
+        1, 2, True),
+    Run("small_one_device", "configs/small_cpu.yaml", (*SMALL, "rollout.max_new_tokens=64", "trainer.dp=1",
+                                                       "trainer.ep=1", "rollout.num_engines=1", *ONE_DEVICE),
+        1, 2, True),
+)
+
+# measured phase (the run's time/* metrics) -> the simulator's phase
+MEASURED = {"reward": ("reward",), "logprobs": ("old_logprobs",), "reference": ("reference_logprobs",),
+            "update": ("update",), "sync": ("weight_sync",), "offload": ("switch_to_training", "switch_to_rollout")}
+
+
+def measure(run: Run, rerun: bool) -> dict:
+    path = OUT / f"{run.name}.json"
+    if path.is_file() and not rerun:
+        return json.loads(path.read_text())
+    overrides = [*run.overrides, f"output_dir=out/sim_accuracy/runs/{run.name}",
+                 f"checkpoint.dir=out/sim_accuracy/runs/{run.name}/checkpoints",
+                 f"tracking.dir=out/sim_accuracy/runs/{run.name}"]
+    cmd = [sys.executable, "-m", "benchmarks.e2e_bench", "--config", run.config, "--warmup", str(run.warmup),
+           "--steps", str(run.steps), *overrides]
+    print(f"{run.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{run.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["prompt_tokens"] = prompt_tokens(run)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def load(run: Run):
+    from rlhf.config import load_run_config
+
+    return load_run_config(REPO / run.config, list(run.overrides))
+
+
+def prompt_tokens(run: Run) -> float:
+    """Mean tokens of the run's training prompts, by its tokenizer."""
+    from rlhf.data.prompts import load_prompts
+    from rlhf.data.tokenizer import load_tokenizer
+
+    cfg = load(run)
+    tok = load_tokenizer(cfg.model.path)
+    rows = load_prompts(cfg.data.train_files, cfg.data.prompt_key, cfg.data.answer_key).rows
+    ids = [min(len(tok.encode(r.prompt).ids), cfg.data.max_prompt_tokens) for r in rows[:512]]
+    return sum(ids) / len(ids)
+
+
+def measured_phases(m: dict) -> dict:
+    ph = m["phase_seconds"]
+    out = {sim: sum(ph.get(k, 0.0) for k in keys) for sim, keys in MEASURED.items()}
+    out["generate"] = ph.get("rollout", 0.0) - ph.get("reward", 0.0)
+    out["step"] = ph["step"]
+    out["driver"] = max(0.0, ph["step"] - sum(v for k, v in out.items() if k != "step"))
+    return out
+
+
+def predict(run: Run, m: dict, hw) -> dict:
+    from rlhf.sim import simulate
+
+    cfg = load(run)
+    samples = (cfg.data.gen_prompts_per_step or cfg.data.prompts_per_step) * cfg.algorithm.group_size
+    response = m["generated_tokens_per_step"] / samples
+    return simulate(cfg, hw, prompt_tokens=m["prompt_tokens"], response_tokens=response)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_accuracy", description=__doc__.split("\n")[0])
+    parser.add_argument("--hardware", default=str(REPO / "configs" / "hardware" / "cpu_2core.yaml"))
+    parser.add_argument("--rerun", action="store_true", help="measure every run again")
+    parser.add_argument("--only", nargs="*", help="measure only these runs (names)")
+    parser.add_argument("--write-calibration", action="store_true",
+                        help="write the fitted calibration into the hardware file")
+    args = parser.parse_args(argv)
+
+    import yaml
+
+    from rlhf.sim.fit import fit_phase, mape, spearman
+    from rlhf.sim.hardware import PHASES, hardware_to_dict, load_hardware
+
+    runs = [r for r in RUNS if not args.only or r.name in args.only]
+    measured = {r.name: measure(r, args.rerun) for r in runs}
+    raw = replace(load_hardware(args.hardware), calibration={})
+    # fit: each phase's (modelled, events) from the uncalibrated model against the calibration runs' seconds
+    calib_runs = [r for r in runs if not r.heldout]
+    parts = {r.name: predict(r, measured[r.name], raw)["phases"] for r in runs}
+    calibration = {}
+    for phase in PHASES:
+        rows = [(parts[r.name][phase].modelled, parts[r.name][phase].events, measured_phases(measured[r.name])[phase])
+                for r in calib_runs]
+        if any(y > 0 for *_, y in rows):
+            calibration[phase] = fit_phase(rows)
+    hw = replace(raw, calibration=calibration)
+    rows = []
+    for r in runs:
+        pred = predict(r, measured[r.name], hw)
+        meas = measured_phases(measured[r.name])
+        rows.append({"run": r.name, "heldout": r.heldout, "measured_step": round(meas["step"], 3),
+                     "predicted_step": round(pred["step_seconds"], 3),
+                     "measured": {k: round(v, 3) for k, v in meas.items() if v},
+                     "predicted": {k: round(v, 3) for k, v in pred["phases"].items() if v}})
+    held = [x for x in rows if x["heldout"]]
+    cal = [x for x in rows if not x["heldout"]]
+    out = {"hardware": hw.name, "runs": len(rows), "calibration_runs": [x["run"] for x in cal],
+           "heldout_runs": [x["run"] for x in held],
+           "step_mape_heldout": round(mape([x["predicted_step"] for x in held], [x["measured_step"] for x in held]), 1)
+           if held else None,
+           "step_mape_calibration": round(mape([x["predicted_step"] for x in cal], [x["measured_step"] for x in cal]), 1),
+           "spearman_heldout": round(spearman([x["predicted_step"] for x in held], [x["measured_step"] for x in held]), 3)
+           if len(held) > 1 else None,
+           "spearman_all": round(spearman([x["predicted_step"] for x in rows], [x["measured_step"] for x in rows]), 3)
+           if len(rows) > 1 else None,
+           "phase_mape_heldout": {}, "calibration": {k: [round(c.scale, 4), round(c.fixed_s, 6)]
+                                                       for k, c in calibration.items()}, "per_run": rows}
+    for phase in ("generate", "logprobs", "update", "sync"):
+        pairs = [(x["predicted"].get(phase, 0.0), x["measured"].get(phase, 0.0)) for x in held
+                 if x["measured"].get(phase, 0.0) > 0.05]
+        if pairs:
+            out["phase_mape_heldout"][phase] = round(mape(*zip(*pairs)), 1)
+    print(f"{'run':<20} {'held out':>8} {'measured s':>11} {'predicted s':>12} {'error':>7}", file=sys.stderr)
+    for x in rows:
+        err = 100 * (x["predicted_step"] - x["measured_step"]) / x["measured_step"]
+        print(f"{x['run']:<20} {str(x['heldout']):>8} {x['measured_step']:>11.3f} {x['predicted_step']:>12.3f} "
+              f"{err:>6.1f}%", file=sys.stderr)
+    if args.write_calibration:
+        path = Path(args.hardware)
+        head = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+        path.write_text(head + yaml.safe_dump(hardware_to_dict(hw), sort_keys=False))
+        print(f"wrote the calibration into {path}", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`rlhf simulate`: a run config as the simulator's candidate, its prediction as lines and one JSON dict, the
+search's ranking, and the best configuration written as run.yaml + placement.yaml. Pure (plans the
+weight sync for a single run, as `rlhf plan` does; starts nothing)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+
+from rlhf.config.load import as_dict
+from rlhf.placement.device_map import device_map
+from rlhf.placement.devices import format_devices
+from rlhf.schema import RunConfig
+from rlhf.sim.cost import Candidate, EngineChoice, Sync, TrainerChoice, simulate_candidate
+from rlhf.sim.hardware import Hardware
+from rlhf.sim.search import SearchSpace, search, why
+from rlhf.sim.workload import model_cost, workload
+
+RECOMPUTE_ALL = ("attention", "experts")
+
+
+def candidate_of(cfg: RunConfig) -> Candidate:
+    """The configuration a run config describes."""
+    t, r = cfg.trainer, cfg.rollout
+    dm = device_map(cfg)
+    td, rd = set(dm.devices_of("trainer")), set(dm.devices_of("rollout"))
+    return Candidate(TrainerChoice(t.pp, t.dp, t.tp, t.ep, t.experts_over_tp_ep, t.zero_stage, bool(t.recompute),
+                                   t.micro_batch_tokens),
+                     EngineChoice(r.tp, r.ep, r.num_engines), colocated=bool(td & rd), trainer_devices=len(td),
+                     rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness)
+
+
+def _plan_sync(cfg: RunConfig) -> Sync:
+    from rlhf.placement.transfer import sync_layout
+
+    sync = sync_layout(cfg, device_map(cfg))
+    s = sync.plan().summary(sync.topology)
+    return Sync(max_recv_bytes=s["max_recv_bytes"], max_send_bytes=s["max_send_bytes"])
+
+
+def simulate(cfg: RunConfig, hw: Hardware, prompt_tokens: float | None = None, response_tokens: float | None = None,
+             expert_load_skew: float = 1.0, plan: bool = True) -> dict:
+    """The prediction for `cfg` on `hw`: seconds per phase, the step, tokens/s, memory, whether it fits. With
+    `plan`, the sync's bytes come from the real resharding plan (the one `rlhf plan` prints)."""
+    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew)
+    c = candidate_of(cfg)
+    r = simulate_candidate(model_cost(cfg.model), w, hw, c, _plan_sync(cfg) if plan else None)
+    return {**r, "hardware": hw.name, "configuration": str(c), "generated_tokens": w.generated_tokens,
+            "prompt_tokens": w.prompt_tokens, "response_tokens": w.response_tokens}
+
+
+def simulate_lines(cfg: RunConfig, result: dict) -> list[str]:
+    step = result["step_seconds"]
+    lines = [f"{cfg.model.name} on {result['hardware']}: {result['configuration']}",
+             f"  workload: {cfg.data.gen_prompts_per_step or cfg.data.prompts_per_step} prompts x "
+             f"{cfg.algorithm.group_size} samples, {result['prompt_tokens']:g} prompt + {result['response_tokens']:g} "
+             f"generated tokens each",
+             "  phase        seconds   share"]
+    for k, v in result["phases"].items():
+        if v:
+            lines.append(f"  {k:<11} {v:9.3f}  {100 * v / step:5.1f} %" if step else f"  {k:<11} {v:9.3f}")
+    g = result["generation"]
+    lines += [f"  step        {step:9.3f}  ({result['tokens_per_second']:.1f} generated tokens/s)",
+              f"  generation: batch {g['batch']} per engine in {g['waves']} wave(s); the KV cache holds "
+              f"{g['kv_seqs_max']} sequences per engine",
+              "  memory (GiB, busiest device): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                            result["memory_gib_per_role"].items() if v)
+              + f"; device {result['memory_gib_per_device']:.2f}" + ("" if result["fits"] else "  DOES NOT FIT")]
+    return lines
+
+
+def search_config(cfg: RunConfig, hw: Hardware, devices: int | None, top: int, prompt_tokens=None,
+                  response_tokens=None, expert_load_skew: float = 1.0, max_staleness: int = 1) -> dict:
+    n = devices or cfg.placement.nodes * cfg.placement.devices_per_node
+    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew)
+    return search(model_cost(cfg.model), cfg.model, w, hw, n, top, SearchSpace(max_staleness=max_staleness)) | {
+        "devices": n}
+
+
+def search_lines(found: dict) -> list[str]:
+    ranked = found["ranked"]
+    lines = [f"searched {found['devices']} devices: {found['layouts_evaluated']} layouts costed, "
+             f"{found['configs_evaluated']} configurations scored ({found['configs_fitting']} fit) in "
+             f"{found['seconds']:.2f} s"]
+    if not ranked:
+        return lines + ["  no configuration fits: more devices, a smaller batch or shorter sequences"]
+    for i, r in enumerate(ranked):
+        nxt = ranked[i + 1] if i + 1 < len(ranked) else None
+        res = r.result
+        lines += [f"#{i + 1} {res['tokens_per_second']:.1f} tokens/s, {res['step_seconds']:.3g} s/step, "
+                  f"{res['memory_gib_per_device']:.1f} GiB/device: {r.candidate}",
+                  f"    why: {why(r, nxt)}"]
+    return lines
+
+
+def write_config(cfg: RunConfig, c: Candidate, hw: Hardware, out: str | Path) -> tuple[Path, Path]:
+    """`out`/run.yaml (the run's settings with the candidate's layouts) and `out`/placement.yaml."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = as_dict(cfg)
+    placement = run.pop("placement")
+    t = c.trainer
+    run["trainer"].update(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep,
+                          zero_stage=t.zero_stage, micro_batch_tokens=t.micro_batch_tokens,
+                          recompute=list(RECOMPUTE_ALL) if t.recompute else [])
+    run["rollout"].update(tp=c.engines.tp, ep=c.engines.ep, num_engines=c.engines.engines)
+    run["stale_sync"]["max_staleness"] = c.staleness
+    if c.staleness and not run["algorithm"]["tis_cap"]:
+        run["algorithm"]["tis_cap"] = 2.0  # off-policy samples need the truncated importance weight
+    n = c.devices
+    per_node = hw.devices_per_node if n >= hw.devices_per_node else n
+    nt = c.trainer_devices or t.world
+    first = 0 if c.colocated else nt
+    placement.update(nodes=math.ceil(n / per_node), devices_per_node=per_node, colocate=c.colocated)
+    if not hw.shared_memory:
+        placement["device_memory_gib"] = hw.memory_gib
+    placement["trainer"] = {"devices": format_devices(range(nt))}
+    placement["reference"] = {"devices": format_devices(range(nt))}
+    placement["rollout"] = {"devices": format_devices(range(first, first + c.engines.world))}
+    reward = placement.get("reward", {}).get("devices", "")
+    if reward and any(int(x) >= n for x in reward.replace("-", ",").split(",") if x.strip().isdigit()):
+        placement["reward"] = {"devices": str(n - 1)}
+    run = {"defaults": {"placement": "placement.yaml"}} | run
+    (out / "placement.yaml").write_text(yaml.safe_dump(placement, sort_keys=False))
+    (out / "run.yaml").write_text(f"# Written by `rlhf simulate --search` on {hw.name}: {c}\n"
+                                  + yaml.safe_dump(run, sort_keys=False))
+    return out / "run.yaml", out / "placement.yaml"

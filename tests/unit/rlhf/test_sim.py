@@ -1,0 +1,224 @@
+"""The simulator (rlhf/sim): cost terms against hand-computed values, monotonicity, the search's best
+configuration accepted by `rlhf plan`, the calibration fit, and clear errors for bad hardware files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import main
+from rlhf.config import load_model_config, load_run_config
+from rlhf.errors import ConfigError
+from rlhf.model.shapes import count_active_params, count_params
+from rlhf.sim import (Calibration, Candidate, EngineChoice, TrainerChoice, load_hardware, model_cost,
+                      simulate_candidate, workload)
+from rlhf.sim.cost import _ring, engine_rank_params, sync_seconds, trainer_memory, trainer_params, trainer_phases
+from rlhf.sim.fit import fit_phase, mape, spearman
+from rlhf.sim.hardware import Link, hardware_from_dict
+from rlhf.sim.search import SearchSpace, search
+
+ROOT = Path(__file__).resolve().parents[3]
+MODELS = ROOT / "configs" / "model"
+
+HW = {"name": "unit", "device": "a round-number device", "device_type": "cuda", "devices_per_node": 4,
+      "memory_gib": 80, "memory_gbytes_per_s": 1000, "tflops": {"float32": 1.0, "bfloat16": 2.0},
+      "links": {"node": {"gbytes_per_s": 100, "latency_us": 1}, "domain": {"gbytes_per_s": 10, "latency_us": 5},
+                "cross": {"gbytes_per_s": 10, "latency_us": 5}, "host": {"gbytes_per_s": 20, "latency_us": 0}}}
+
+
+def tiny_cfg(*overrides):
+    return load_run_config(ROOT / "configs" / "tiny_cpu.yaml", list(overrides))
+
+
+def test_model_cost_matches_the_parameter_table():
+    for name in ("qwen3_moe_tiny", "qwen3_moe_small", "pangu_ultra_moe_718b"):
+        m = load_model_config(MODELS / f"{name}.yaml")
+        mc = model_cost(m)
+        # the final norm (hidden) is the only tensor outside the groups
+        assert mc.total + m.hidden_size == count_params(m, include_mtp=False)
+        assert mc.active + mc.embed + m.hidden_size == count_active_params(m)
+        assert mc.expert == 3 * m.hidden_size * m.moe_intermediate_size
+        assert mc.forward_flops(10, 4) == 2 * 10 * (mc.active + m.num_hidden_layers * mc.attn_width * 4)
+
+
+def test_link_and_ring_arithmetic():
+    link = Link(10.0, 5.0)
+    assert link.seconds(1e9, 2) == pytest.approx(0.1 + 10e-6)
+    assert _ring(100.0, 4) == pytest.approx(150.0) and _ring(100.0, 1) == 0.0
+
+
+def test_update_on_one_rank_is_its_flops_plus_the_optimizer_step():
+    cfg = tiny_cfg()
+    hw = hardware_from_dict(HW)
+    w = workload(cfg, prompt_tokens=10, response_tokens=6)
+    mc = model_cost(cfg.model)
+    t = TrainerChoice(micro_batch_tokens=1 << 20)
+    ph = trainer_phases(mc, w, hw, t)
+    tokens = w.train_samples * 16
+    flops = 2 * tokens * (mc.head + mc.layer_dense + mc.layers * mc.attn_width * 8 + mc.moe_layers * mc.top_k * mc.expert)
+    params = mc.layer_dense + mc.embed + mc.head + mc.expert_total
+    optimizer = w.mini_batches * params * (24 + 3 * 4) / 1e12
+    assert w.train_dtype == "float32" and hw.grouped_matmul_efficiency == 1.0
+    assert ph["update"].modelled == pytest.approx(3 * flops / 1e12 + optimizer, rel=1e-9)
+    assert ph["update"].events == 1  # one micro-batch
+    assert ph["logprobs"].modelled == pytest.approx(flops / 1e12, rel=1e-9)  # 4 mini-batches: a separate pass
+    # the calibration: scale times the modelled seconds plus the fixed cost per event
+    cal = replace(hw, calibration={"update": Calibration(2.0, 0.5)})
+    assert trainer_phases(mc, w, cal, t)["update"] == pytest.approx(2 * ph["update"].modelled + 0.5)
+
+
+def test_parameters_per_rank_and_sync_bytes():
+    cfg = tiny_cfg()
+    mc = model_cost(cfg.model)
+    dense, expert = trainer_params(mc, TrainerChoice(dp=2, ep=2))
+    assert dense == mc.layer_dense + mc.embed + mc.head
+    assert expert == mc.moe_layers * mc.num_experts / 2 * mc.expert
+    e = EngineChoice(tp=2, engines=1)
+    assert engine_rank_params(mc, e) == pytest.approx((mc.layer_dense + mc.embed + mc.head + mc.expert_total) / 2)
+    hw = hardware_from_dict(HW)
+    w = workload(cfg)
+    c = Candidate(TrainerChoice(dp=2, ep=2), e, colocated=True, trainer_devices=2, rollout_devices=2)
+    recv = engine_rank_params(mc, e) * 4
+    expected = recv / 100e9 + 2 * 1e-6 + recv / 1000e9  # over the node link, 2 ranks' messages, then installed
+    assert sync_seconds(mc, w, hw, c).modelled == pytest.approx(expected)
+
+
+def test_more_devices_never_predict_more_memory_per_device():
+    m = load_model_config(MODELS / "pangu_ultra_moe_718b.yaml")
+    cfg = load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml")
+    mc, w = model_cost(m), workload(cfg)
+    for tp, ep, pp in ((8, 4, 12), (4, 8, 4), (2, 16, 8)):
+        mem = [trainer_memory(mc, w, TrainerChoice(pp=pp, dp=dp, tp=tp, ep=ep, experts_over_tp_ep=True,
+                                                   recompute=True, micro_batch_tokens=8192))
+               for dp in (4, 8, 16, 32)]
+        assert all(b <= a for a, b in zip(mem, mem[1:])), (tp, ep, pp, mem)
+    engine = [engine_rank_params(mc, EngineChoice(tp=4, ep=ep)) for ep in (8, 16, 32, 64)]
+    assert all(b < a for a, b in zip(engine, engine[1:]))
+
+
+def test_a_faster_link_never_predicts_a_slower_sync_or_step():
+    cfg = load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml")
+    mc, w = model_cost(cfg.model), workload(cfg)
+    c = Candidate(TrainerChoice(pp=12, dp=4, tp=8, ep=4, experts_over_tp_ep=True, recompute=True,
+                                micro_batch_tokens=32768), EngineChoice(tp=4, ep=32, engines=12))
+    hw = load_hardware("cm384")
+    results = []
+    for gb in (25, 50, 100, 392, 1000):
+        links = {k: (Link(gb, v.latency_us) if k != "host" else v) for k, v in hw.links.items()}
+        results.append(simulate_candidate(mc, w, replace(hw, links=links), c))
+    syncs = [r["phases"]["sync"] for r in results]
+    steps = [r["step_seconds"] for r in results]
+    assert all(b <= a for a, b in zip(syncs, syncs[1:])) and syncs[-1] < syncs[0]
+    assert all(b <= a for a, b in zip(steps, steps[1:]))
+
+
+def test_the_best_configuration_of_a_search_is_one_rlhf_plan_accepts(tmp_path, capsys):
+    rc = main(["simulate", str(ROOT / "configs" / "tiny_cpu.yaml"), "--search", "--devices", "4", "--top", "3",
+               "--write", str(tmp_path / "best")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["devices"] == 4 and 1 <= len(result["best"]) <= 3 and result["configs_evaluated"] > 0
+    speeds = [b["tokens_per_second"] for b in result["best"]]
+    assert speeds == sorted(speeds, reverse=True) and all(b["fits"] for b in result["best"])
+    assert "why:" in err
+    cfg = load_run_config(tmp_path / "best" / "run.yaml")
+    t, p = cfg.trainer, cfg.placement
+    assert t.pp * t.dp * t.tp <= 4 and p.nodes * p.devices_per_node == 4
+    assert main(["plan", str(tmp_path / "best" / "run.yaml")]) == 0
+    assert str(result["best"][0]["configuration"]) in (tmp_path / "best" / "run.yaml").read_text()
+
+
+def test_search_keeps_only_layouts_the_model_splits_by_and_that_fit():
+    cfg = load_run_config(ROOT / "configs" / "cm384_pangu718b.yaml")
+    hw = load_hardware("cm384")
+    found = search(model_cost(cfg.model), cfg.model, workload(cfg), hw, 256, 5,
+                   SearchSpace(max_staleness=0, micro_batch_tokens=(8192,), zero_stages=(1,)))
+    assert found["ranked"], "256 NPUs hold the 718B model"
+    for r in found["ranked"]:
+        t, e = r.candidate.trainer, r.candidate.engines
+        assert r.result["memory_gib_per_device"] <= hw.memory_gib
+        assert 256 % t.expert_shards == 0 and 128 % t.tp == 0 and (e.ep == 1 or 256 % e.ep == 0)
+
+
+def test_simulate_prints_the_phases_and_a_json_line(capsys):
+    assert main(["simulate", str(ROOT / "configs" / "small_cpu.yaml"), "--response-tokens", "100"]) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out.strip().splitlines()[-1])
+    for key in ("step_seconds", "tokens_per_second", "phases", "memory_gib_per_device", "fits"):
+        assert key in r
+    assert r["tokens_per_second"] == pytest.approx(8 * 8 * 100 / r["step_seconds"])
+    assert r["step_seconds"] == pytest.approx(sum(r["phases"].values()))  # co-located: one after the other
+    assert "update" in err and "generate" in err
+
+
+def test_cli_simulate_starts_nothing():
+    code = ("import sys; from rlhf.cli import main; rc = main(['simulate', 'configs/tiny_cpu.yaml', '--search']); "
+            "assert rc == 0 and 'torch' not in sys.modules and 'ray' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_staleness_overlaps_disaggregated_pools_only():
+    cfg = tiny_cfg()
+    mc, w, hw = model_cost(cfg.model), workload(cfg), hardware_from_dict(HW)
+    t, e = TrainerChoice(dp=2), EngineChoice(engines=2)
+    serial = simulate_candidate(mc, w, hw, Candidate(t, e, False, 2, 2, 0))
+    overlapped = simulate_candidate(mc, w, hw, Candidate(t, e, False, 2, 2, 1))
+    p = overlapped["phases"]
+    assert overlapped["step_seconds"] == pytest.approx(
+        max(p["generate"] + p["reward"], p["reference"] + p["logprobs"] + p["update"]) + p["sync"] + p["offload"]
+        + p["driver"])
+    assert overlapped["step_seconds"] < serial["step_seconds"]
+    colocated = [simulate_candidate(mc, w, hw, Candidate(t, e, True, 2, 2, s))["step_seconds"] for s in (0, 1)]
+    assert colocated[0] == colocated[1]
+
+
+def test_fit_recovers_a_known_calibration_and_scores_predictions():
+    rows = [(m, e, 1.7 * m + 0.02 * e) for m, e in ((1.0, 10), (5.0, 3), (0.2, 40), (3.0, 8))]
+    c = fit_phase(rows)
+    assert c.scale == pytest.approx(1.7) and c.fixed_s == pytest.approx(0.02)
+    assert fit_phase([(0.0, 4, 2.0), (0.0, 2, 1.0)]).fixed_s == pytest.approx(0.5)  # events only
+    assert fit_phase([(2.0, 0, 1.0)]).scale == pytest.approx(0.5)
+    assert mape([110, 90], [100, 100]) == pytest.approx(10.0)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.pop("tflops"), ["tflops", "missing"]),
+    (lambda d: d["tflops"].update(bfloat16=-1), ["tflops.bfloat16", "> 0"]),
+    (lambda d: d["links"].pop("cross"), ["links.cross", "missing"]),
+    (lambda d: d["links"].update(node={"gbytes_per_s": "fast"}), ["links.node.gbytes_per_s"]),
+    (lambda d: d.update(device_type="tpu"), ["device_type", "cpu, cuda or npu"]),
+    (lambda d: d.update(devices_per_nod=8), ["devices_per_nod", "unknown key"]),
+    (lambda d: d.update(calibration={"update": {"scale": 0}}), ["calibration.update.scale"]),
+    (lambda d: d.update(calibration={"decode": {"scale": 1}}), ["calibration.decode", "unknown phase"]),
+])
+def test_bad_hardware_files_get_errors_that_name_the_key(edit, words):
+    data = json.loads(json.dumps(HW))
+    edit(data)
+    with pytest.raises(ConfigError) as e:
+        hardware_from_dict(data, "bad.yaml")
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_hardware_files_ship_and_unknown_names_list_them(tmp_path):
+    for name in ("cm384", "h800", "cpu_2core"):
+        hw = load_hardware(name)
+        assert hw.flops("bfloat16") > 0 and hw.link("node").gbytes_per_s > 0
+    with pytest.raises(ConfigError, match="cm384.*cpu_2core|cpu_2core.*cm384"):
+        load_hardware("nonexistent")
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_hardware(bad)
+    with pytest.raises(ConfigError, match="no tflops.float16"):
+        hardware_from_dict(HW).flops("float16")
