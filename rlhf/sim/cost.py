@@ -237,8 +237,9 @@ def trainer_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
     mb = min(per_dp, t.micro_batch_tokens)
     layers = mc.layers / t.pp
     per_layer = mc.hidden if t.recompute else mc.act_per_token_layer / t.tp
-    act = mb * nb * (layers * per_layer + (mc.act_per_token_layer / t.tp if t.recompute else 0))
-    act *= min(t.pp, micro)
+    act = mb * nb * layers * per_layer * min(t.pp, micro)  # 1F1B keeps up to pp micro-batches on stage 0
+    if t.recompute:  # the layer being recomputed, whole, for the one micro-batch in backward
+        act += mb * nb * mc.act_per_token_layer / t.tp
     logits = min(mb, LOGIT_CHUNK) * mc.vocab / t.tp * 4 * 3  # the head's chunk: logits, their exp, the grad
     return state + act + logits
 
@@ -390,10 +391,12 @@ def memory_per_device(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) ->
     return {"roles": roles, "device": max(trainer + reference, engine), "node": False}
 
 
-def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None) -> dict:
-    """Every phase's seconds, the step, tokens/s and memory of one configuration."""
-    phases = dict(trainer_phases(mc, w, hw, c.trainer, 0))
-    gen, shape = generate_seconds(mc, w, hw, c.engines, c.rollout_first_device)
+def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None,
+                       trainer: dict | None = None, generate: tuple | None = None) -> dict:
+    """Every phase's seconds, the step, tokens/s and memory of one configuration. `trainer` (`trainer_phases`)
+    and `generate` (`generate_seconds`) may be given when already computed for these layouts (the search)."""
+    phases = dict(trainer if trainer is not None else trainer_phases(mc, w, hw, c.trainer, 0))
+    gen, shape = generate if generate is not None else generate_seconds(mc, w, hw, c.engines, c.rollout_first_device)
     phases["generate"] = gen
     phases["reward"] = reward_seconds(mc, w, hw)
     phases["sync"] = sync_seconds(mc, w, hw, c, sync)

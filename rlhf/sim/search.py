@@ -21,7 +21,7 @@ from rlhf.sim.hardware import Hardware
 from rlhf.sim.workload import ModelCost, Workload
 
 MICRO_BATCH_TOKENS = (2048, 4096, 8192, 16384, 32768)
-KEEP_PER_SIDE = 8
+KEEP_PER_SIDE = 32  # fastest layouts per pool kept for scoring whole (pairs: 32 x 32 per placement)
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -124,9 +124,9 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
                 if mem > limit:
                     continue
                 ph = trainer_phases(mc, w, hw, t)
-                scored.append((sum(ph.values()), mem, t))
+                scored.append((sum(ph.values()), mem, t, ph))
             scored.sort(key=lambda x: (x[0], x[1]))
-            trainer_cache[n] = [t for _, _, t in scored[:KEEP_PER_SIDE]]
+            trainer_cache[n] = [(t, ph) for _, _, t, ph in scored[:KEEP_PER_SIDE]]
         return trainer_cache[n]
 
     def engines(n: int, first: int) -> list:
@@ -138,19 +138,19 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
                 mem = engine_memory(mc, w, hw, e) / GIB + rt.get("engine", 0.0)
                 if mem > limit:
                     continue
-                g, _ = generate_seconds(mc, w, hw, e, first)
-                scored.append((g, mem, e))
+                g = generate_seconds(mc, w, hw, e, first)
+                scored.append((g[0], mem, e, g))
             scored.sort(key=lambda x: (x[0], x[1]))
-            engine_cache[n, first] = [e for _, _, e in scored[:KEEP_PER_SIDE]]
+            engine_cache[n, first] = [(e, g) for _, _, e, g in scored[:KEEP_PER_SIDE]]
         return engine_cache[n, first]
 
     ranked: list[Ranked] = []
     evaluated = 0
     for colocated, nt, nr, s in _placements(devices, hw, space):
-        for t in trainers(nt):
-            for e in engines(nr, 0 if colocated else nt):
+        for t, ph in trainers(nt):
+            for e, g in engines(nr, 0 if colocated else nt):
                 c = Candidate(t, e, colocated, nt, nr, s)
-                r = simulate_candidate(mc, w, hw, c)
+                r = simulate_candidate(mc, w, hw, c, trainer=ph, generate=g)
                 evaluated += 1
                 if r["fits"]:
                     ranked.append(Ranked(c, r))
@@ -168,7 +168,7 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
     seconds = time.perf_counter() - t0
     return {"ranked": ranked[:top], "configs_evaluated": evaluated, "layouts_evaluated": layouts,
             "configs_fitting": fitting, "seconds": seconds,
-            "configs_per_second": (evaluated + layouts) / seconds if seconds else 0.0}
+            "configs_per_second": evaluated / seconds if seconds else 0.0}
 
 
 def why(best: Ranked, other: Ranked | None) -> str:
