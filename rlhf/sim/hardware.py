@@ -159,10 +159,14 @@ def hardware_problems(data: Any) -> list[Problem]:
     for k, v in (data.get("runtime_gib") or {}).items():
         if not _number(v) or v < 0:
             p.append(Problem(f"runtime_gib.{k}", v, "must be a number >= 0 (GiB per process)"))
-    cal = data.get("calibration") or {}
+    return p + calibration_problems(data.get("calibration"))
+
+
+def calibration_problems(cal: Any) -> list[Problem]:
+    cal = cal or {}
     if not isinstance(cal, dict):
-        p.append(Problem("calibration", cal, f"must map a phase ({', '.join(PHASES)}) to {{scale, fixed_s}}"))
-        cal = {}
+        return [Problem("calibration", cal, f"must map a phase ({', '.join(PHASES)}) to {{scale, fixed_s}}")]
+    p: list[Problem] = []
     for phase, v in cal.items():
         if phase not in PHASES:
             p.append(Problem(f"calibration.{phase}", v, f"unknown phase; use one of {PHASES}"))
@@ -176,13 +180,19 @@ def hardware_problems(data: Any) -> list[Problem]:
     return p
 
 
+def calibration_from_dict(cal: Any, source: str = "hardware") -> dict:
+    """A file's `calibration:` section alone (phase -> Calibration), checked."""
+    raise_problems(calibration_problems(cal), f"calibration in {source}")
+    return {phase: Calibration(float(v.get("scale", 1.0)), float(v.get("fixed_s", 0.0)))
+            for phase, v in (cal or {}).items()}
+
+
 def hardware_from_dict(data: Any, source: str = "hardware") -> Hardware:
     problems = hardware_problems(data)
     if problems:
         raise_problems(problems, f"hardware description {source}")
     links = {level: Link(float(v["gbytes_per_s"]), float(v.get("latency_us", 0.0))) for level, v in data["links"].items()}
-    cal = {phase: Calibration(float(v.get("scale", 1.0)), float(v.get("fixed_s", 0.0)))
-           for phase, v in (data.get("calibration") or {}).items()}
+    cal = calibration_from_dict(data.get("calibration"), source)
     return Hardware(name=str(data["name"]), device=str(data["device"]), device_type=data["device_type"],
                     devices_per_node=int(data["devices_per_node"]), memory_gib=float(data["memory_gib"]),
                     memory_gbytes_per_s=float(data["memory_gbytes_per_s"]),
