@@ -109,8 +109,9 @@ def measured_phases(m: dict) -> dict:
     ph = m["phase_seconds"]
     out = {sim: sum(ph.get(k, 0.0) for k in keys) for sim, keys in MEASURED.items()}
     out["generate"] = ph.get("rollout", 0.0) - ph.get("reward", 0.0)
-    out["step"] = ph["step"]
-    out["driver"] = max(0.0, ph["step"] - sum(v for k, v in out.items() if k != "step"))
+    # the run's last step also scores the held-out prompts and saves the final checkpoint: not a step's work
+    out["step"] = ph["step"] - ph.get("evaluate", 0.0) - ph.get("checkpoint", 0.0)
+    out["driver"] = max(0.0, out["step"] - sum(v for k, v in out.items() if k != "step"))
     return out
 
 

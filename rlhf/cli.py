@@ -179,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM decode-step measurement")
     p.set_defaults(func=_calibrate)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides after an option (`rlhf simulate RUN.yaml --search trainer.pp=4`) join the others
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from actors.remote import RoleError
     from rlhf.errors import ConfigError, EngineRestartsExhausted, PolicyRestartRefused
     from rlhf.data.prompts import DatasetError
