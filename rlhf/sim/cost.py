@@ -170,7 +170,10 @@ def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_devi
     """(modelled seconds, micro-batches per rank) of one pass over the step's trained tokens."""
     tokens = w.train_samples * w.sequence
     per_dp = tokens / t.dp
-    micro = max(1, math.ceil(per_dp / t.micro_batch_tokens))
+    # the update runs each mini-batch (one optimizer step) as its own micro-batches; a forward pass takes all
+    groups = w.mini_batches if backward else 1
+    per_group = max(1, math.ceil(per_dp / groups / t.micro_batch_tokens))
+    micro = groups * per_group
     mb_tokens = per_dp / micro
     flops_dense = 2.0 * tokens * (mc.head + mc.layer_dense + mc.layers * mc.attn_width * w.sequence / 2)
     flops_expert = 2.0 * tokens * mc.moe_layers * mc.top_k * mc.expert
@@ -191,7 +194,7 @@ def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_devi
         comm += micro * hw.link(ep_l).seconds(2 * dirs * moe * a2a, 2 * dirs * moe * (t.ep - 1))
     if t.pp > 1:  # activations to the next stage (and gradients back), plus the 1F1B bubble
         comm += micro * hw.link(pp_l).seconds(dirs * act, dirs)
-        compute *= 1.0 + (t.pp - 1) / micro
+        compute *= 1.0 + (t.pp - 1) / per_group
     if backward:  # every epoch passes over the tokens again; each optimizer step reduces gradients and steps AdamW
         compute, comm, micro = compute * w.epochs, comm * w.epochs, micro * w.epochs
         dense, expert = trainer_params(mc, t)

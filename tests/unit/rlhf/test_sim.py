@@ -65,7 +65,8 @@ def test_update_on_one_rank_is_its_flops_plus_the_optimizer_step():
     optimizer = w.mini_batches * params * (24 + 3 * 4) / 1e12
     assert w.train_dtype == "float32" and hw.grouped_matmul_efficiency == 1.0
     assert ph["update"].modelled == pytest.approx(3 * flops / 1e12 + optimizer, rel=1e-9)
-    assert ph["update"].events == 1  # one micro-batch
+    assert ph["update"].events == w.mini_batches == 4  # one micro-batch per mini-batch (optimizer step)
+    assert ph["logprobs"].events == 1  # a forward pass takes all the tokens in one micro-batch
     assert ph["logprobs"].modelled == pytest.approx(flops / 1e12, rel=1e-9)  # 4 mini-batches: a separate pass
     # the calibration: scale times the modelled seconds plus the fixed cost per event
     cal = replace(hw, calibration={"update": Calibration(2.0, 0.5)})
