@@ -70,7 +70,7 @@ def test_update_on_one_rank_is_its_flops_plus_the_optimizer_step():
     assert ph["logprobs"].modelled == pytest.approx(flops / 1e12, rel=1e-9)  # 4 mini-batches: a separate pass
     # the calibration: scale times the modelled seconds plus the fixed cost per event
     cal = replace(hw, calibration={"update": Calibration(2.0, 0.5)})
-    assert trainer_phases(mc, w, cal, t)["update"] == pytest.approx(2 * ph["update"].modelled + 0.5)
+    assert trainer_phases(mc, w, cal, t)["update"] == pytest.approx(2 * ph["update"].modelled + 0.5 * 4)
 
 
 def test_parameters_per_rank_and_sync_bytes():
