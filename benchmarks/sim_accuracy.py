@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     parts = {r.name: predict(r, measured[r.name], raw)["phases"] for r in runs}
     calibration = {}
     for phase in PHASES:
-        rows = [(parts[r.name][phase].modelled, parts[r.name][phase].events, measured_phases(measured[r.name])[phase])
-                for r in calib_runs]
+        rows = [(parts[r.name][phase].modelled, parts[r.name][phase].events, parts[r.name][phase].calls,
+                 measured_phases(measured[r.name])[phase]) for r in calib_runs]
         if any(y > 0 for *_, y in rows):
             calibration[phase] = fit_phase(rows)
     hw = replace(raw, calibration=calibration)
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
            if len(held) > 1 else None,
            "spearman_all": round(spearman([x["predicted_step"] for x in rows], [x["measured_step"] for x in rows]), 3)
            if len(rows) > 1 else None,
-           "phase_mape_heldout": {}, "calibration": {k: [round(c.scale, 4), round(c.fixed_s, 6)]
+           "phase_mape_heldout": {}, "calibration": {k: [round(c.scale, 4), round(c.fixed_s, 7), round(c.call_s, 5)]
                                                        for k, c in calibration.items()}, "per_run": rows}
     for phase in ("generate", "logprobs", "update", "sync"):
         pairs = [(x["predicted"].get(phase, 0.0), x["measured"].get(phase, 0.0)) for x in held

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf.sim.hardware import Calibration, Hardware, Link, calibration_from_dict, hardware_to_dict
+from rlhf.sim.hardware import Hardware, Link, calibration_from_dict, hardware_to_dict
 
 
 def _timed(fn, repeat: int, budget_s: float = 1.0) -> float:
@@ -215,15 +215,16 @@ def calibrate(out: str | Path, threads: int = 1, vllm: bool = True, log=print) -
     if previous.is_file():  # a calibration fitted on measured runs outlives a re-measurement of the machine
         data = yaml.safe_load(previous.read_text()) or {}
         cal = calibration_from_dict(data.get("calibration") if isinstance(data, dict) else None, str(previous))
+    engine_step = 0.0
     if vllm:
         steps = decode_step_seconds()
         log("vLLM decode step (tiny model): " + ", ".join(f"batch {b}: {1e3 * s:.1f} ms" for b, s in steps.items()))
-        g = cal.get("generate", Calibration())
-        cal["generate"] = Calibration(g.scale, min(steps.values()))
+        engine_step = min(steps.values())
     cores = os.cpu_count() or 1
     hw = Hardware(name=Path(out).stem, device=f"{threads} core(s) of this {cores}-core machine (a stand-in device)",
                   device_type="cpu", devices_per_node=max(1, cores // threads), memory_gib=_memory_gib(),
                   memory_gbytes_per_s=mem, tflops={"float32": f32, "bfloat16": bf16}, grouped_matmul_efficiency=grouped,
+                  engine_step_s=engine_step,
                   links={"node": link, "domain": link, "cross": link, "host": Link(0.0, 0.0)},
                   runtime_gib={"trainer": 1.0, "engine": 2.3}, calibration=cal,
                   sources=(f"rlhf calibrate on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "

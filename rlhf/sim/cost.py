@@ -1,11 +1,12 @@
 """The cost model of one RL step: seconds per phase and memory per device, composed from operators over
 shapes, layouts and a hardware description. Pure Python over numbers: no torch, no Ray, no plan.
 
-Each phase's time is `calibration.scale * modelled + calibration.fixed_s * events` (`rlhf.sim.hardware`):
+Each phase's time is `scale * modelled + fixed_s * events + call_s` (its `rlhf.sim.hardware.Calibration`):
 the modelled part is compute at the device's peak FLOP/s (expert matmuls at `grouped_matmul_efficiency`),
 memory traffic at its bandwidth (the roofline's max of the two where a phase is memory-bound: decoding),
 and messages on the link their group crosses (bandwidth and latency per message); the fixed part is what
-does not scale with work (a decode step's scheduling, a micro-batch's launch, a sync's round trips).
+does not scale with FLOPs or bytes (a generated token's sampling and bookkeeping, a micro-batch's launch) and
+the phase's call (the driver's round trip to the roles).
 
     generate   per engine (all engines alike, in parallel): prefill of each prompt once (prefix cache), then
                decode steps of a batch limited by max_num_seqs and the KV cache, in waves; TP all-reduces
@@ -119,15 +120,16 @@ class Sync:
 
 
 class Seconds(float):
-    """A phase's predicted seconds, carrying its parts before calibration: the modelled seconds and the count
-    of fixed-cost events (what `rlhf.sim.fit` fits a scale and a fixed cost on)."""
+    """A phase's predicted seconds, carrying its parts before calibration: the modelled seconds, the count of
+    fixed-cost events and of calls (what `rlhf.sim.fit` fits the calibration on)."""
 
     modelled: float
     events: float
+    calls: float
 
-    def __new__(cls, value: float, modelled: float = 0.0, events: float = 0.0):
+    def __new__(cls, value: float, modelled: float = 0.0, events: float = 0.0, calls: float = 0.0):
         out = super().__new__(cls, value)
-        out.modelled, out.events = modelled, events
+        out.modelled, out.events, out.calls = modelled, events, calls
         return out
 
 
@@ -136,7 +138,7 @@ NONE = Seconds(0.0)
 
 def _phase(hw: Hardware, phase: str, modelled: float, events: float) -> Seconds:
     c = hw.calib(phase)
-    return Seconds(c.scale * modelled + c.fixed_s * events, modelled, events)
+    return Seconds(c.scale * modelled + c.fixed_s * events + c.call_s, modelled, events, 1.0)
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -290,6 +292,7 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
     prefill_tokens = prompts * w.prompt_tokens
     prefill = mc.forward_flops(prefill_tokens, w.prompt_tokens / 2) / (e.ranks * peak)
     steps = waves * w.response_tokens
+    tokens = samples * w.response_tokens  # per engine: each is sampled, its logprob kept, its sequence scheduled
     ctx = w.prompt_tokens + w.response_tokens / 2
     per_step = 0.0
     per_wave = [batch] * (waves - 1) + [samples - batch * (waves - 1)]
@@ -311,8 +314,8 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
             t += hw.link(hw.level_between(e.ranks, first_device)).seconds(
                 2 * mc.moe_layers * act * mc.top_k * (e.ep - 1) / e.ep, 2 * mc.moe_layers * (e.ep - 1))
         per_step += t * w.response_tokens
-    modelled = prefill + per_step
-    return _phase(hw, "generate", modelled, steps), {"batch": batch, "waves": waves, "kv_seqs_max": kv_seqs}
+    modelled = prefill + per_step + steps * hw.engine_step_s
+    return _phase(hw, "generate", modelled, tokens), {"batch": batch, "waves": waves, "kv_seqs_max": kv_seqs}
 
 
 def engine_memory(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice) -> float:
@@ -350,8 +353,10 @@ def offload_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> S
     while the engines run and come back for the update; the engines sleep (weights to host, KV cache freed)
     and wake. Nothing moves where host and device memory are one (cpu) or the pools are apart."""
     host = hw.link("host")
-    if not c.colocated or hw.shared_memory or not host.gbytes_per_s:
+    if not c.colocated:
         return NONE
+    if hw.shared_memory or not host.gbytes_per_s:  # the switch still happens (the roles' calls), moving nothing
+        return _phase(hw, "offload", 0.0, 1)
     dense, expert = trainer_params(mc, c.trainer)
     replicas_e = max(1, c.trainer.dp * c.trainer.tp // c.trainer.expert_shards)
     state = (dense + expert) * 2 * w.train_bytes + 12 * (dense / c.trainer.dp + expert / replicas_e)

@@ -1,62 +1,78 @@
 """Calibration from measured runs, and how good the predictions are. Pure.
 
-Every phase's prediction is `scale * modelled + fixed_s * events` (`rlhf.sim.cost.Seconds` carries the two
-parts). Given measured seconds of a phase in several runs, `fit_phase` finds the non-negative (scale,
-fixed_s) of least squared relative error (each run weighs the same, whether its step takes 1 s or 60 s).
-`mape` and `spearman` score predictions against measurements on runs the fit did not see.
+Every phase's prediction is `scale * modelled + fixed_s * events + call_s * calls` (`rlhf.sim.cost.Seconds`
+carries the three parts). Given a phase's measured seconds in several runs, `fit_phase` finds the
+non-negative coefficients of least squared relative error (each run weighs the same, whether its step takes
+1 s or 60 s): every subset of the three terms is solved and the best non-negative one kept. `mape` and
+`spearman` score predictions against measurements on runs the fit did not see.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
 from rlhf.sim.hardware import Calibration
 
 
-def _solve(rows: Sequence[tuple[float, float, float]], use_scale: bool, use_fixed: bool) -> tuple[float, float]:
-    """Least squares of (measured - scale * modelled - fixed * events) / measured over `rows`."""
-    a11 = a12 = a22 = b1 = b2 = 0.0
-    for m, e, y in rows:
-        w = 1.0 / (y * y) if y > 0 else 0.0
-        a11 += w * m * m
-        a12 += w * m * e
-        a22 += w * e * e
-        b1 += w * m * y
-        b2 += w * e * y
-    if use_scale and use_fixed:
-        det = a11 * a22 - a12 * a12
-        if abs(det) > 1e-18 * max(1.0, a11 * a22):
-            return (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        return _solve(rows, True, False)
-    if use_scale:
-        return (b1 / a11 if a11 else 1.0), 0.0
-    return 0.0, (b2 / a22 if a22 else 0.0)
+def _solve(rows: Sequence[Sequence[float]], cols: Sequence[int]) -> list[float] | None:
+    """Weighted least squares of y over the chosen feature columns (Gaussian elimination; None if singular)."""
+    n = len(cols)
+    a = [[0.0] * n for _ in range(n)]
+    b = [0.0] * n
+    for *x, y in rows:
+        w = 1.0 / (y * y)
+        for i, ci in enumerate(cols):
+            b[i] += w * x[ci] * y
+            for j, cj in enumerate(cols):
+                a[i][j] += w * x[ci] * x[cj]
+    for i in range(n):  # elimination with partial pivoting
+        piv = max(range(i, n), key=lambda r: abs(a[r][i]))
+        if abs(a[piv][i]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row)):
+            return None
+        a[i], a[piv], b[i], b[piv] = a[piv], a[i], b[piv], b[i]
+        for r in range(i + 1, n):
+            f = a[r][i] / a[i][i]
+            for c in range(i, n):
+                a[r][c] -= f * a[i][c]
+            b[r] -= f * b[i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][c] * x[c] for c in range(i + 1, n))) / a[i][i]
+    return x
 
 
-def _error(rows, scale: float, fixed: float) -> float:
-    return sum(((scale * m + fixed * e - y) / y) ** 2 for m, e, y in rows if y > 0)
+def _error(rows, coef: Sequence[float]) -> float:
+    return sum(((sum(c * v for c, v in zip(coef, x)) - y) / y) ** 2 for *x, y in rows)
 
 
-def fit_phase(rows: Sequence[tuple[float, float, float]]) -> Calibration:
-    """(modelled, events, measured) per run -> the phase's calibration; a phase with no modelled part (or no
-    events) fits the other coefficient alone; negative solutions are replaced by the best one-term fit."""
-    rows = [r for r in rows if r[2] > 0]
+def fit_phase(rows: Sequence[Sequence[float]]) -> Calibration:
+    """(modelled, events, calls, measured) per run -> the phase's calibration: the non-negative least-squares
+    fit over every subset of the three terms that scales the modelled part (a term absent from every run is
+    left at its default)."""
+    rows = [tuple(r) if len(r) == 4 else (r[0], r[1], 1.0, r[2]) for r in rows]  # (modelled, events, measured)
+    rows = [r for r in rows if r[3] > 0]
     if not rows:
         return Calibration()
-    has_m, has_e = any(r[0] > 0 for r in rows), any(r[1] > 0 for r in rows)
-    options = []
-    if has_m and has_e:
-        s, f = _solve(rows, True, True)
-        if s > 0 and f >= 0:
-            options.append((s, f))
-    if has_m:
-        options.append(_solve(rows, True, False))
-    if has_e:
-        options.append(_solve(rows, False, True))
-    options = [(s if s > 0 else 1.0, max(0.0, f)) for s, f in options] or [(1.0, 0.0)]
-    s, f = min(options, key=lambda o: _error(rows, *o))
-    return Calibration(scale=s, fixed_s=f)
+    present = [k for k in range(3) if any(r[k] > 0 for r in rows)]
+    best, best_err = None, math.inf
+    for size in range(1, len(present) + 1):
+        for cols in itertools.combinations(present, size):
+            if 0 in present and 0 not in cols:
+                continue  # a modelled part is always scaled (a scale of 0 would drop the physics)
+            sol = _solve(rows, cols)
+            if sol is None or any(v < 0 for v in sol) or (0 in cols and sol[cols.index(0)] == 0):
+                continue
+            coef = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, sol):
+                coef[c] = v
+            err = _error(rows, coef)
+            if err < best_err - 1e-15:
+                best, best_err = coef, err
+    if best is None:
+        return Calibration()
+    return Calibration(scale=best[0] if best[0] > 0 else 1.0, fixed_s=best[1], call_s=best[2])
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:

@@ -19,7 +19,7 @@ HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 LEVELS = ("node", "domain", "cross", "host")
 # Phases of a step the cost model prices; each has a calibration (scale, fixed seconds per event).
 PHASES = ("generate", "reward", "reference", "logprobs", "update", "sync", "offload", "driver")
-EVENTS = {"generate": "decode steps of one engine", "reward": "samples per reward worker",
+EVENTS = {"generate": "tokens one engine generates", "reward": "samples per reward worker",
           "reference": "micro-batches per rank", "logprobs": "micro-batches per rank",
           "update": "micro-batches per rank", "sync": "syncs (one per step)", "offload": "offload + onload pairs",
           "driver": "steps"}
@@ -40,10 +40,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A phase's modelled seconds times `scale`, plus `fixed_s` per event (`EVENTS`)."""
+    """A phase's modelled seconds times `scale`, plus `fixed_s` per event (`EVENTS`), plus `call_s` once per
+    step the phase runs (the driver's call to the roles and their reply)."""
 
     scale: float = 1.0
     fixed_s: float = 0.0
+    call_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Hardware:
     links: dict  # level (LEVELS) -> Link
     nodes_per_domain: int = 0  # nodes on one fabric domain (0: every node)
     grouped_matmul_efficiency: float = 1.0  # expert matmuls (many small ones) against one plain matmul
+    engine_step_s: float = 0.0  # a decode step's cost besides its work (scheduling, sampling): rlhf calibrate
     runtime_gib: dict = field(default_factory=dict)  # role -> memory a process takes besides its tensors
     calibration: dict = field(default_factory=dict)  # phase -> Calibration
     sources: tuple = ()
@@ -92,7 +95,7 @@ class Hardware:
 
 
 _NUMBERS = {"devices_per_node": (int, 1), "memory_gib": (float, 0.0), "memory_gbytes_per_s": (float, 0.0),
-            "nodes_per_domain": (int, 0), "grouped_matmul_efficiency": (float, 0.0)}
+            "nodes_per_domain": (int, 0), "grouped_matmul_efficiency": (float, 0.0), "engine_step_s": (float, 0.0)}
 _REQUIRED = ("name", "device", "device_type", "devices_per_node", "memory_gib", "memory_gbytes_per_s", "tflops",
              "links")
 _EXAMPLE = "configs/hardware/cm384.yaml"
@@ -165,25 +168,25 @@ def hardware_problems(data: Any) -> list[Problem]:
 def calibration_problems(cal: Any) -> list[Problem]:
     cal = cal or {}
     if not isinstance(cal, dict):
-        return [Problem("calibration", cal, f"must map a phase ({', '.join(PHASES)}) to {{scale, fixed_s}}")]
+        return [Problem("calibration", cal, f"must map a phase ({', '.join(PHASES)}) to {{scale, fixed_s, call_s}}")]
     p: list[Problem] = []
     for phase, v in cal.items():
         if phase not in PHASES:
             p.append(Problem(f"calibration.{phase}", v, f"unknown phase; use one of {PHASES}"))
-        elif not isinstance(v, dict) or set(v) - {"scale", "fixed_s"}:
-            p.append(Problem(f"calibration.{phase}", v, "must be {scale: N, fixed_s: N}"))
+        elif not isinstance(v, dict) or set(v) - {"scale", "fixed_s", "call_s"}:
+            p.append(Problem(f"calibration.{phase}", v, "must be {scale: N, fixed_s: N, call_s: N}"))
         else:
             for k2, x in v.items():
                 if not _number(x) or x < 0 or (k2 == "scale" and x == 0):
                     p.append(Problem(f"calibration.{phase}.{k2}", x, "must be a number > 0" if k2 == "scale"
-                                     else "must be a number >= 0 (seconds per event)"))
+                                     else "must be a number >= 0 (seconds)"))
     return p
 
 
 def calibration_from_dict(cal: Any, source: str = "hardware") -> dict:
     """A file's `calibration:` section alone (phase -> Calibration), checked."""
     raise_problems(calibration_problems(cal), f"calibration in {source}")
-    return {phase: Calibration(float(v.get("scale", 1.0)), float(v.get("fixed_s", 0.0)))
+    return {phase: Calibration(float(v.get("scale", 1.0)), float(v.get("fixed_s", 0.0)), float(v.get("call_s", 0.0)))
             for phase, v in (cal or {}).items()}
 
 
@@ -199,6 +202,7 @@ def hardware_from_dict(data: Any, source: str = "hardware") -> Hardware:
                     tflops={k: float(v) for k, v in data["tflops"].items()}, links=links,
                     nodes_per_domain=int(data.get("nodes_per_domain", 0)),
                     grouped_matmul_efficiency=float(data.get("grouped_matmul_efficiency", 1.0)),
+                    engine_step_s=float(data.get("engine_step_s", 0.0)),
                     runtime_gib={k: float(v) for k, v in (data.get("runtime_gib") or {}).items()},
                     calibration=cal, sources=tuple(data.get("sources") or ()))
 
@@ -231,9 +235,10 @@ def hardware_to_dict(hw: Hardware) -> dict:
             "memory_gib": hw.memory_gib, "memory_gbytes_per_s": round(hw.memory_gbytes_per_s, 3),
             "tflops": {k: round(v, 4) for k, v in hw.tflops.items()},
             "grouped_matmul_efficiency": round(hw.grouped_matmul_efficiency, 3),
+            "engine_step_s": round(hw.engine_step_s, 6),
             "links": {k: {"gbytes_per_s": round(v.gbytes_per_s, 3), "latency_us": round(v.latency_us, 2)}
                       for k, v in hw.links.items()},
             "runtime_gib": dict(hw.runtime_gib),
-            "calibration": {k: {"scale": round(c.scale, 4), "fixed_s": round(c.fixed_s, 6)}
+            "calibration": {k: {"scale": round(c.scale, 4), "fixed_s": round(c.fixed_s, 7), "call_s": round(c.call_s, 5)}
                             for k, c in hw.calibration.items()},
             "sources": list(hw.sources)}

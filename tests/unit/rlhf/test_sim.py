@@ -185,6 +185,8 @@ def test_fit_recovers_a_known_calibration_and_scores_predictions():
     c = fit_phase(rows)
     assert c.scale == pytest.approx(1.7) and c.fixed_s == pytest.approx(0.02)
     assert fit_phase([(0.0, 4, 2.0), (0.0, 2, 1.0)]).fixed_s == pytest.approx(0.5)  # events only
+    three = fit_phase([(m, e, 1, 1.7 * m + 0.02 * e + 0.3) for m, e in ((1.0, 10), (5.0, 3), (0.2, 40), (3.0, 8))])
+    assert (three.scale, three.fixed_s, three.call_s) == pytest.approx((1.7, 0.02, 0.3))  # a cost per call too
     assert fit_phase([(2.0, 0, 1.0)]).scale == pytest.approx(0.5)
     assert mape([110, 90], [100, 100]) == pytest.approx(10.0)
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
