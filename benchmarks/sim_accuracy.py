@@ -41,21 +41,26 @@ class Run:
     heldout: bool
 
 
+# The calibration runs span what the fit must separate: one and two trainer ranks and engines, short and long
+# completions, on- and off-policy updates, the tiny and the small model; the held-out runs combine these
+# differently (TP trainer, TP engine, disaggregated pools, other batch and length, the small model shorter and
+# on one device).
 RUNS = (
     Run("tiny_default", "configs/tiny_cpu.yaml", (*TINY,), 3, 8, False),
     Run("tiny_long", "configs/tiny_cpu.yaml", (*TINY, "rollout.max_new_tokens=32", "data.prompts_per_step=16"),
         2, 6, False),
     Run("tiny_on_policy", "configs/tiny_cpu.yaml", (*TINY, "trainer.mini_batch_size=512"), 3, 8, False),
     Run("tiny_trainer_tp2", "configs/tiny_cpu.yaml", (*TINY, "trainer.tp=2", "trainer.dp=1", "trainer.ep=1"),
-        3, 8, False),
+        3, 8, True),
     Run("small_default", "configs/small_cpu.yaml", (*SMALL,), 1, 2, False),
     Run("tiny_one_device", "configs/tiny_cpu.yaml", (*TINY, "trainer.dp=1", "trainer.ep=1", "rollout.num_engines=1",
-                                                     *ONE_DEVICE), 3, 8, True),
+                                                     *ONE_DEVICE), 3, 8, False),
     Run("tiny_disaggregated", "configs/tiny_cpu_disaggregated.yaml", (*TINY,), 3, 8, True),
     Run("tiny_engine_tp2", "configs/tiny_cpu.yaml", (*TINY, "rollout.tp=2", "rollout.num_engines=1"), 3, 8, True),
     Run("tiny_mid", "configs/tiny_cpu.yaml", (*TINY, "rollout.max_new_tokens=16", "data.prompts_per_step=24",
                                               "algorithm.group_size=8", "trainer.mini_batch_size=64"), 3, 8, True),
-    Run("small_short", "configs/small_cpu.yaml", (*SMALL, "rollout.max_new_tokens=64", "data.prompts_per_step=4"),
+    Run("small_short", "configs/small_cpu.yaml", (*SMALL, "rollout.max_new_tokens=64", "data.prompts_per_step=4",
+                                                  "trainer.mini_batch_size=32"),
         1, 2, True),
     Run("small_one_device", "configs/small_cpu.yaml", (*SMALL, "rollout.max_new_tokens=64", "trainer.dp=1",
                                                        "trainer.ep=1", "rollout.num_engines=1", *ONE_DEVICE),

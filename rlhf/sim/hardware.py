@@ -78,6 +78,9 @@ class Hardware:
         return self.tflops[dtype] * 1e12
 
     def calib(self, phase: str) -> Calibration:
+        """A phase's calibration; the reference forward takes the old-logprob forward's when it has none."""
+        if phase == "reference" and phase not in self.calibration:
+            phase = "logprobs"
         return self.calibration.get(phase, Calibration())
 
     def link(self, level: str) -> Link:
