@@ -97,6 +97,9 @@ def _simulate(args) -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {v}: must be > 0")
+    if args.max_staleness < 0:
+        raise ConfigError(f"--max-staleness {args.max_staleness}: the largest staleness bound to try, >= 0 "
+                          f"(0: synchronous configurations only)")
     if args.expert_load_skew < 1:
         raise ConfigError(f"--expert-load-skew {args.expert_load_skew}: the busiest expert rank's load over the mean "
                           f"is >= 1 (1: uniform routing)")

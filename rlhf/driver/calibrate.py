@@ -113,26 +113,32 @@ def _p2p_worker(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def gloo_link(timeout: float = 120.0) -> Link:
-    """Point-to-point between two processes on this machine over gloo: GB/s one way, microseconds a message."""
+def _in_children(target, args_per_child, timeout: float, what: str):
+    """Run `target(*args, conn)` in spawned children and return what the first sends on the pipe (a pipe, not a
+    queue: no semaphore left in /dev/shm); every child is joined, or killed, before this returns."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)  # a pipe, not a queue: no semaphore in /dev/shm
-    port = _free_port()
-    procs = [ctx.Process(target=_p2p_worker, args=(r, port, send)) for r in range(2)]
+    recv, send = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=target, args=(*args, send)) for args in args_per_child]
     for p in procs:
         p.start()
     try:
         if not recv.poll(timeout):
-            raise TimeoutError(f"gloo point-to-point measurement gave no result in {timeout:.0f} s")
-        bw, lat = recv.recv()
+            raise TimeoutError(f"{what} gave no result in {timeout:.0f} s")
+        return recv.recv()
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=60)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def gloo_link(timeout: float = 120.0) -> Link:
+    """Point-to-point between two processes on this machine over gloo: GB/s one way, microseconds a message."""
+    port = _free_port()
+    bw, lat = _in_children(_p2p_worker, [(0, port), (1, port)], timeout, "the gloo point-to-point measurement")
     return Link(bw, lat)
 
 
@@ -178,23 +184,9 @@ def _decode_worker(batch_sizes, tokens: int, out) -> None:
 
 def decode_step_seconds(batch_sizes=(1, 32), tokens: int = 32, timeout: float = 300.0) -> dict:
     """A tiny vLLM engine's seconds per decode step at each batch size (prefill subtracted): what a step costs
-    besides its FLOPs (scheduling, sampling, Python), for the generate phase's fixed cost per step. The engine
-    runs in a child process, so nothing of it outlives the measurement."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_decode_worker, args=(batch_sizes, tokens, send))
-    p.start()
-    try:
-        if not recv.poll(timeout):
-            raise TimeoutError(f"the vLLM decode measurement gave no result in {timeout:.0f} s")
-        return recv.recv()
-    finally:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    besides its FLOPs (scheduling, sampling, Python), the hardware's `engine_step_s`. The engine runs in a child
+    process, so nothing of it outlives the measurement."""
+    return _in_children(_decode_worker, [(batch_sizes, tokens)], timeout, "the vLLM decode measurement")
 
 
 def calibrate(out: str | Path, threads: int = 1, vllm: bool = True, log=print) -> Hardware:

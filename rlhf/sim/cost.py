@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlhf.layout import InferenceLayout, Layout
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.workload import ModelCost, Workload
 
@@ -48,6 +49,7 @@ class TrainerChoice:
     recompute: bool = False  # attention and experts recomputed in backward
     micro_batch_tokens: int = 4096
 
+    # world and expert_shards are rlhf.layout.Layout's rules, inlined: the search reads them per candidate
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
@@ -57,10 +59,9 @@ class TrainerChoice:
         return self.ep * self.tp if self.experts_over_tp_ep else self.ep
 
     def __str__(self) -> str:
-        parts = [f"{a}{getattr(self, a)}" for a in ("pp", "dp", "tp", "ep") if getattr(self, a) > 1] or ["single"]
-        return ("x".join(parts) + ("(experts over tp x ep)" if self.experts_over_tp_ep else "")
-                + (f" zero{self.zero_stage}" if self.zero_stage != 1 else "") + (" recompute" * self.recompute)
-                + f" mb{self.micro_batch_tokens}")
+        lay = Layout(self.pp, self.dp, self.tp, self.ep, self.experts_over_tp_ep)
+        return (f"{lay}" + (f" zero{self.zero_stage}" if self.zero_stage != 1 else "")
+                + (" recompute" * self.recompute) + f" mb{self.micro_batch_tokens}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class EngineChoice:
     redundant_experts: int = 0
 
     @property
-    def ranks(self) -> int:
+    def ranks(self) -> int:  # rlhf.layout.InferenceLayout.ranks_per_engine, inlined (read per candidate)
         return self.tp if self.ep == 1 else self.ep
 
     @property
@@ -79,8 +80,7 @@ class EngineChoice:
         return self.ranks * self.engines
 
     def __str__(self) -> str:
-        return (f"{self.engines}x(tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else "")
-                + (f"r{self.redundant_experts}" if self.redundant_experts else "") + ")")
+        return str(InferenceLayout(self.tp, self.ep, self.engines, self.redundant_experts))
 
 
 @dataclass(frozen=True)
