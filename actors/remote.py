@@ -32,8 +32,10 @@ class RoleHandle:
 
         ray.kill(self.actor, no_restart=True)
 
-    def submit(self, method: str, *args, **kwargs):
-        return getattr(self.actor, method).remote(*args, **kwargs)
+    def submit(self, method: str, *args, _num_returns: int = 1, **kwargs):
+        """The call's object reference; with `_num_returns` > 1, the list of its references."""
+        m = getattr(self.actor, method)
+        return (m if _num_returns == 1 else m.options(num_returns=_num_returns)).remote(*args, **kwargs)
 
     def call(self, method: str, *args, timeout_s: float = 300.0, **kwargs) -> Any:
         return self.wait(method, self.submit(method, *args, **kwargs), timeout_s)
@@ -84,7 +86,8 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool) -> list[Any]:
 
     import ray
 
-    refs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+    subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+    refs = [s[0] if isinstance(s, list) else s for s in subs]  # several returns: waited on by the first
     if on_submit is not None:
         on_submit()
     index = {ref: i for i, ref in enumerate(refs)}
@@ -111,6 +114,8 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool) -> list[Any]:
         i = index[ready[0]]
         try:
             results[i] = calls[i][0].wait(calls[i][1], ready[0], 0.01)
+            if isinstance(subs[i], list):  # (the first return's value, the other returns' references)
+                results[i] = (results[i], subs[i][1:])
         except RoleError as e:
             if first_error:
                 e.pending = pending  # the peers' calls, for a caller that recovers to wait out (`settle`)

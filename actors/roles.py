@@ -183,8 +183,13 @@ class Roles:
         return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s,
                         on_submit=lambda: self.inject(method))
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate", **kwargs) -> list:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate",
+                 route_stages: Sequence[Sequence[int]] | None = None, **kwargs) -> list:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
+
+        `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.routing.RouteRef`
+        to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
+        and never fetched here; without it the engines drop the call's routes.
 
         An engine that dies meanwhile is handed to `self.recover` (which replaces it and installs the weights
         the others serve) and its share generated again there, with the same seeds: the call returns what it
@@ -195,8 +200,11 @@ class Roles:
         chunks = [list(range(i, len(prompts), k)) for i in range(k)]
 
         def call(e: int) -> tuple:  # seeds by the prompt's place in the whole call: not by the engine count
-            return (calls_made[e], "generate", ([prompts[i] for i in chunks[e]],),
-                    dict(n=n, seed=[prompt_seed(seed, i) for i in chunks[e]], **kwargs))
+            kw = dict(n=n, seed=[prompt_seed(seed, i) for i in chunks[e]], **kwargs)
+            if route_stages is None:
+                return calls_made[e], "generate", ([prompts[i] for i in chunks[e]],), kw | dict(keep_routes=False)
+            return (calls_made[e], "generate_routed", ([prompts[i] for i in chunks[e]], route_stages),
+                    kw | dict(_num_returns=1 + len(route_stages)))
 
         todo, outs = [e for e in range(k) if chunks[e]], [[] for _ in range(k)]
         while todo:
@@ -208,7 +216,8 @@ class Roles:
                 if isinstance(r, BaseException) and (e not in dead or self.recover is None):
                     raise r
                 if e not in dead:
-                    outs[e] = r
+                    outs[e] = r if route_stages is None else [
+                        replace(c, routes=replace(c.routes, blocks=tuple(r[1]))) for c in r[0]]
             if dead:
                 self.recover(dead, str(next(r for e, r in zip(todo, results) if e in dead)),
                              [calls_made[e] for e in dead])

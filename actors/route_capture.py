@@ -28,6 +28,8 @@ int16: one byte per id halves what a long rollout holds and sends back.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -176,3 +178,23 @@ def take_routes(worker, request_ids) -> dict | None:
     if capture is None or not capture.enabled:
         raise RuntimeError("route capture is off: call set_route_capture(worker, True) first")
     return capture.take(request_ids)
+
+
+def split_routes(completions: list, stages: Sequence[Sequence[int]]) -> tuple:
+    """(completions with `routes` a `RouteRef` to their rows, then one block per stage: every completion's
+    routes in order over the stage's MoE layers [rows, layers, k]). The blocks' references are filled in by
+    whoever receives them (`actors.roles.Roles.generate`)."""
+    from dataclasses import replace
+
+    from rlhf.routing import RouteRef
+
+    missing = [i for i, c in enumerate(completions) if c.routes is None]
+    if missing:
+        raise RuntimeError(f"generate_routed: {len(missing)} completion(s) without routes: the engine was "
+                           "built without capture_routes")
+    whole = (np.concatenate([c.routes for c in completions]) if completions
+             else np.zeros((0, max((max(s) + 1 for s in stages if len(s)), default=0), 1), np.uint8))
+    starts = np.cumsum([0] + [len(c.routes) for c in completions])
+    out = [replace(c, routes=RouteRef(int(s), len(c.routes), itemsize=whole.itemsize))
+           for c, s in zip(completions, starts)]
+    return (out, *(np.ascontiguousarray(whole[:, list(layers)]) for layers in stages))

@@ -22,7 +22,7 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
-from rlhf.routing import RouteShare
+from rlhf.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer
@@ -60,7 +60,7 @@ class PolicyWorker:
         c = self.layout.coords(self.rank)
         return self.trainer.is_last_stage and c.tp == 0
 
-    def logprobs(self, batch: TokenBatch, routes: RouteShare | None = None) -> LogprobsReply | None:
+    def logprobs(self, batch: TokenBatch, routes: RouteShare | RouteFetch | None = None) -> LogprobsReply | None:
         """Per-token logprobs and entropies [rows, T-1] of this DP rank's samples, from one rank per DP
         index; None from the others. `routes`: this rank's share of the engines' routes (sent apart)."""
         t0 = time.time()
@@ -74,7 +74,11 @@ class PolicyWorker:
         return _rows_reply(batch, [mb.extras["rows"] for mb in mbs], out, t0, self.trainer.route_differs)
 
     @staticmethod
-    def _with_routes(batch: TokenBatch, routes: RouteShare | None) -> TokenBatch:
+    def _with_routes(batch: TokenBatch, routes: RouteShare | RouteFetch | None) -> TokenBatch:
+        if isinstance(routes, RouteFetch):  # read from the engines' blocks in the object store
+            import ray
+
+            routes = routes.resolve(ray.get)
         return batch if routes is None else batch.with_(route_share=routes)
 
     def offload(self) -> int:
@@ -103,7 +107,7 @@ class TrainerWorker(PolicyWorker):
         self.sync_group = None
 
     def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]],
-               routes: RouteShare | None = None) -> UpdateReply:
+               routes: RouteShare | RouteFetch | None = None) -> UpdateReply:
         """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
         same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
         count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""

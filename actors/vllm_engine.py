@@ -14,7 +14,7 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
@@ -23,7 +23,6 @@ from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 log = logging.getLogger(__name__)
@@ -53,8 +52,8 @@ class Completion:
     token_versions: tuple[int, ...] = ()  # per token, where a sync may land mid-generation (`interruptible`)
     # per token fed through the model (the prompt, then every sampled token but the last), per MoE layer, the
     # top-k experts the engine chose: [tokens, MoE layers, k], uint8 (int16 above 256 experts); engines built
-    # with capture_routes only (actors.route_capture)
-    routes: Optional["np.ndarray"] = None
+    # with capture_routes only (actors.route_capture). From `generate_routed`, a `rlhf.routing.RouteRef`.
+    routes: Optional[Any] = None
 
 
 class VLLMEngine:
@@ -372,11 +371,13 @@ class VLLMEngine:
         max_tokens: int | None = None,
         seed: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
+        keep_routes: bool = True,
     ) -> list[Completion]:
         """`n` completions per prompt (prompt token ids, BOS included); greedy when temperature is 0;
         `ignore_eos`: every completion runs to max_tokens (benchmarks, tests). `seed`: one per prompt, or one
         for the call from which each prompt's own is derived (`prompt_seed`); sample k of a prompt seeded s
-        draws from s + k; None: unseeded."""
+        draws from s + k; None: unseeded. `keep_routes=False`: with capture_routes, the call's routes are
+        dropped (an evaluation's: nothing trains on them)."""
         from vllm import SamplingParams
 
         if seed is None or isinstance(seed, int):
@@ -399,11 +400,11 @@ class VLLMEngine:
             ) for s in seeds]
             self._prefix_cache_current()
             if self.interruptible:
-                return self._generate_stepwise(prompts, params, n)
+                return self._generate_stepwise(prompts, params, n, keep_routes)
             from vllm.inputs import TokensPrompt
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-            routes = self._take_routes([req.request_id for req in outs])
+            routes = self._take_routes([req.request_id for req in outs], keep_routes)
             return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
                                self.weight_version, routes=self._routes_of(routes, req.request_id, c.index,
                                                                            len(prompts[i]) + len(c.token_ids) - 1))
@@ -418,13 +419,26 @@ class VLLMEngine:
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
             self._cache_version = self.weight_version
 
-    def _take_routes(self, request_ids: Sequence[str]) -> dict | None:
-        """The routes rank 0's worker captured for these requests (`actors.route_capture.take_routes`)."""
+    def generate_routed(self, prompts: Sequence[Sequence[int]], route_stages: Sequence[Sequence[int]],
+                        **kwargs) -> tuple:
+        """`generate` with the routes kept apart (routing replay in `rlhf train`): (completions, then per
+        trainer pipeline stage one block of every completion's routes over the stage's MoE layers). Called
+        with num_returns = 1 + stages, the blocks stay in Ray's object store, owned by the caller, and reach
+        the trainer ranks without passing through it; each completion's `routes` is a `RouteRef` to its rows
+        (`actors.route_capture.split_routes`)."""
+        from actors.route_capture import split_routes
+
+        return split_routes(self.generate(prompts, **kwargs), route_stages)
+
+    def _take_routes(self, request_ids: Sequence[str], keep: bool = True) -> dict | None:
+        """The routes rank 0's worker captured for these requests (`actors.route_capture.take_routes`),
+        taken (and forgotten) there in any case; None where not kept."""
         if not self.capture_routes:
             return None
         from actors.route_capture import unpack_routes
 
-        return unpack_routes(self.llm.collective_rpc("rlhf_take_routes", args=(list(request_ids),))[0])
+        reply = self.llm.collective_rpc("rlhf_take_routes", args=(list(request_ids),))[0]
+        return unpack_routes(reply) if keep else None
 
     @staticmethod
     def _routes_of(routes: dict | None, request_id: str, index: int, fed: int):
@@ -437,7 +451,8 @@ class VLLMEngine:
                                f"{None if r is None else r.shape[0]} tokens, it fed {fed} through the model")
         return r
 
-    def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int) -> list[Completion]:
+    def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
+                           keep_routes: bool = True) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs:
         the tokens of each step are recorded with the version the step ran on (each step runs on one
         version). The KV cache of tokens made before an install stays as the old weights computed it, as in
@@ -468,7 +483,7 @@ class VLLMEngine:
         missing = [(rid, k) for rid in ids for k in range(n) if (rid, k) not in seqs]
         if missing:
             raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
-        routes = self._take_routes(ids)
+        routes = self._take_routes(ids, keep_routes)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
                            tuple(versions), self._routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
                 for i, rid in enumerate(ids)

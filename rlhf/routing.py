@@ -17,7 +17,7 @@ Legend: B batch, T tokens, S = B*T rows, L MoE layers, k top-k, E experts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -98,10 +98,17 @@ class RouteStats:
 
     @staticmethod
     def of(differs_BT: torch.Tensor, engine_BTLk: torch.Tensor) -> "RouteStats":
-        routed_BT = engine_BTLk[:, :, 0, 0] >= 0
-        L = engine_BTLk.shape[2]
-        tokens = int(routed_BT.sum())
-        d = differs_BT[:, :routed_BT.shape[1]].long() * routed_BT
+        return RouteStats.counted(differs_BT, (engine_BTLk[:, :, 0, 0] >= 0).sum(1), engine_BTLk.shape[2])
+
+    @staticmethod
+    def counted(differs_BT: torch.Tensor, routed_B: torch.Tensor | Sequence[int], num_layers: int) -> "RouteStats":
+        """`routed_B`: per sample, how many of its first tokens the engine routed (the others count nothing)."""
+        routed_B = torch.as_tensor(routed_B)
+        T = differs_BT.shape[1]
+        routed_BT = torch.arange(T)[None, :] < routed_B[:, None]
+        tokens = int(routed_B.clamp(max=T).sum())
+        d = differs_BT.long() * routed_BT
+        L = num_layers
         return RouteStats(float(d.sum()) / max(tokens * L, 1), float((d > 0).sum()) / max(tokens, 1), tokens * L)
 
 
@@ -141,3 +148,50 @@ class RouteShare:
 def route_share(routes_BTLk: torch.Tensor, rows: Sequence[int], layers: Sequence[int]) -> RouteShare:
     idx = torch.tensor(sorted(rows), dtype=torch.long)
     return RouteShare(idx, tuple(layers), routes_BTLk[idx][:, :, list(layers)].contiguous(), routes_BTLk.shape[2])
+
+
+@dataclass(frozen=True)
+class RouteRef:
+    """One sample's routes kept apart from it (rollout.capture_routes in `rlhf train`): rows
+    [start, start + positions) of each trainer stage's block, a [rows, the stage's MoE layers, k] array the
+    engine returned for its whole generate call. `blocks` holds the blocks' object references (Ray's); the
+    driver only passes them on, and each trainer rank reads the rows it trains on
+    (`RouteFetch.resolve`)."""
+
+    start: int
+    positions: int  # the tokens the engine fed through the model: prompt + response - 1
+    blocks: tuple = ()  # per trainer stage
+    itemsize: int = 1  # of the blocks' integers (uint8 up to 256 experts, int16 above)
+
+    def nbytes(self, layers: int, k: int) -> int:
+        return self.positions * layers * k * self.itemsize
+
+
+@dataclass(frozen=True)
+class RouteFetch:
+    """What one trainer rank (a DP index and a pipeline stage) reads of the engines' routes: for each of its
+    batch rows (ascending) the sample's place in a block of its stage. TP and EP ranks of one (DP index,
+    stage) share one."""
+
+    rows: tuple[int, ...]
+    refs: tuple[RouteRef, ...]  # per row
+    stage: int
+    layers: tuple[int, ...]  # the stage's MoE layer indices
+    num_layers: int  # MoE layers of the model
+    k: int
+    T: int  # the batch's padded length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes(len(self.layers), self.k) for r in self.refs)
+
+    def resolve(self, get: Callable[[list[Any]], list[Any]]) -> RouteShare:
+        """The rank's `RouteShare`: `get` turns block references into arrays (`ray.get`; each block is read
+        once however many rows it holds)."""
+        blocks = list(dict.fromkeys(r.blocks[self.stage] for r in self.refs))
+        arrays = dict(zip(blocks, get(blocks))) if blocks else {}
+        out = torch.full((len(self.rows), self.T, len(self.layers), self.k), -1, dtype=ROUTE_DTYPE)
+        view = out.numpy()  # the arrays come read-only (shared memory): copied once, into place
+        for i, r in enumerate(self.refs):
+            view[i, :r.positions] = arrays[r.blocks[self.stage]][r.start:r.start + r.positions]
+        return RouteShare(torch.tensor(self.rows, dtype=torch.long), self.layers, out, self.num_layers)

@@ -25,16 +25,16 @@ batches and saves the queue beside the data cursor: a resumed run trains on ever
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from actors.dist_queue import DistQueue
+from actors.route_blocks import load_route_blocks, save_route_blocks
 from actors.vllm_engine import Completion
 from rlhf.algorithms.staleness import importance_stats, may_start, staleness_stats
 from rlhf.checkpoint import load_driver_state
@@ -44,6 +44,7 @@ from rlhf.driver.rollout import Rollout, collect
 from rlhf.driver.run import Run
 from rlhf.driver.step import learn
 from rlhf.parity import logprob_parity
+from rlhf.routing import RouteRef
 from rlhf.schema import RunConfig
 
 WAIT_POLL_S = 5.0  # how often a waiting thread re-checks that its peer is alive
@@ -90,7 +91,7 @@ class Producer:
                     b, self.busy = self.next_batch, True
                 run.producer_batch = b  # where chaos kills of its generation land
                 t0 = time.time()
-                ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b)
+                ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b, run.route_stages)
                 run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
                 groups = to_groups(ro, b, self.next_seq)
                 self.queue.put(groups)
@@ -167,8 +168,9 @@ class Producer:
 
 
 def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
-    """A batch's groups as queue entries (JSON-able payloads). The batch's own statistics ride on its first
-    group, so they are counted once, at the step that trains on that group."""
+    """A batch's groups as queue entries (payloads JSON-able but for each sample's `RouteRef`, which
+    `queue_state_saved` turns into JSON). The batch's own statistics ride on its first group, so they are
+    counted once, at the step that trains on that group."""
     G = len(ro.completions) // len(ro.rows)
     stats = {"drawn": ro.groups_drawn, "generate_seconds": ro.generate_seconds,
              "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens}
@@ -177,24 +179,54 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
         comps = ro.completions[i * G:(i + 1) * G]
         payload = {"row": [row.prompt, row.answer, row.source], "prompt_ids": list(ro.prompt_ids[i]),
                    "completions": [[list(c.token_ids), list(c.logp), c.finish_reason, c.weight_version,
-                                    list(c.token_versions), _routes_json(c.routes)] for c in comps],
+                                    list(c.token_versions), c.routes] for c in comps],
                    "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
                    "batch_stats": stats if i == 0 else None}
         out.append(QueuedGroup(first_seq + i, batch, min(c.weight_version for c in comps), payload))
     return out
 
 
-def _routes_json(routes) -> dict | None:
-    """A completion's routes (routing replay) as JSON: the queue's contents go into checkpoints."""
-    if routes is None:
-        return None
-    return {"dtype": routes.dtype.str, "shape": list(routes.shape), "base64": base64.b64encode(routes.tobytes()).decode()}
+ROUTE_BLOCKS = "queue_routes.safetensors"  # in a StaleSync checkpoint: the route blocks of queued samples
 
 
-def _routes_array(d: dict | None):
-    if d is None:
-        return None
-    return np.frombuffer(base64.b64decode(d["base64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+def queue_state_saved(state: dict, d: Path, save: Callable | None = None) -> dict:
+    """The queue's state (`DistQueue.state`) for a checkpoint in `d`, JSON-able: each sample's routes
+    (a `RouteRef`) as its rows and block numbers, the blocks written to d/ROUTE_BLOCKS by `save(path, refs)`
+    (`actors.route_blocks.save_route_blocks`: a task reads them, the driver never holds them)."""
+    blocks: dict = {}
+
+    def out(c: list) -> list:
+        r = c[5] if len(c) > 5 else None
+        if r is None:
+            return c[:5] + [None]
+        return c[:5] + [{"start": r.start, "positions": r.positions, "itemsize": r.itemsize,
+                         "blocks": [blocks.setdefault(b, len(blocks)) for b in r.blocks]}]
+
+    groups = [g | {"payload": g["payload"] | {"completions": [out(c) for c in g["payload"]["completions"]]}}
+              for g in state["groups"]]
+    if blocks:
+        (save or save_route_blocks)(d / ROUTE_BLOCKS, list(blocks))
+    return state | {"groups": groups}
+
+
+def queue_state_loaded(state: dict, d: Path, load: Callable | None = None) -> dict:
+    """`queue_state_saved` undone: the routes of queued samples as `RouteRef`s to blocks read back into the
+    object store by `load(path, n)` (`actors.route_blocks.load_route_blocks`)."""
+    saved = [c[5] for g in state["groups"] for c in g["payload"]["completions"] if len(c) > 5 and c[5]]
+    if any("blocks" not in r for r in saved):
+        raise ValueError(f"checkpoint {d} holds queued routes inline (written before route blocks); resume it "
+                         "with rollout.capture_routes=false trainer.routing_replay=off, or start the run afresh")
+    n = max((i + 1 for r in saved for i in r["blocks"]), default=0)
+    refs = (load or load_route_blocks)(d / ROUTE_BLOCKS, n) if n else []
+
+    def back(c: list) -> list:
+        r = c[5] if len(c) > 5 else None  # none in checkpoints written before routes
+        return c[:5] + [None if r is None else RouteRef(r["start"], r["positions"],
+                                                        tuple(refs[i] for i in r["blocks"]), r["itemsize"])]
+
+    return state | {"groups": [g | {"payload": g["payload"] | {"completions": [back(c) for c in
+                                                                               g["payload"]["completions"]]}}
+                               for g in state["groups"]]}
 
 
 def to_rollout(groups: list[QueuedGroup]) -> Rollout:
@@ -206,7 +238,7 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
         rows.append(PromptRow(*d["row"]))
         prompt_ids.append(d["prompt_ids"])
         comps += [Completion(p, tuple(ids), tuple(logp), reason, version, tuple(versions),
-                             _routes_array(routes[0] if routes else None))  # none in checkpoints before routes
+                             routes[0] if routes else None)  # a RouteRef (`queue_state_loaded`)
                   for ids, logp, reason, version, versions, *routes in d["completions"]]
         if d["batch_stats"]:
             s = d["batch_stats"]
@@ -245,14 +277,14 @@ def train_async(cfg: RunConfig, log) -> dict:
         if run.inputs.resume_dir is not None:
             state = load_driver_state(run.inputs.resume_dir).get("stale_sync")
             if state:  # a StaleSync checkpoint: the groups made ahead of it are trained on, not made again
-                queue.load(state["queue"])
+                queue.load(queue_state_loaded(state["queue"], run.inputs.resume_dir))
                 next_batch, next_seq = state["next_batch"], state["next_seq"]
                 run.samples_dropped = queue.dropped * cfg.algorithm.group_size
                 log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
         producer = Producer(run, queue, next_batch, next_seq)
         run.wake_main = producer.notify
-        run.extra_state = lambda: {"stale_sync": {"queue": queue.state(), "next_batch": producer.next_batch,
-                                                  "next_seq": producer.next_seq}}
+        run.extra_state = lambda d: {"stale_sync": {"queue": queue_state_saved(queue.state(), d),
+                                                    "next_batch": producer.next_batch, "next_seq": producer.next_seq}}
         acc_start = run.evaluate(run.step)
         producer.start()
         for step in range(run.step + 1, cfg.steps + 1):

@@ -50,7 +50,7 @@ def train(cfg: RunConfig, log=lambda m: print(m, file=sys.stderr, flush=True)) -
 def run_step(run: Run, step: int) -> None:
     cfg, t_step, run.at_step = run.cfg, time.time(), step
     with run.phase("rollout", step):
-        ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, step)
+        ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, step, run.route_stages)
     learned = learn(run, ro, step)
     acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
     run.checkpoint(step)

@@ -32,7 +32,9 @@ class Rollout:
     generated_tokens: int
 
 
-def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
+def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None) -> Rollout:
+    """`route_stages` (routing replay): each completion's routes stay in the object store, in blocks per
+    trainer stage of these MoE layers (`actors.roles.Roles.generate`)."""
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
     over = max(cfg.data.gen_prompts_per_step, P) / P  # draws generate this many prompts per group still missing
     kept: list[tuple] = []  # (row, prompt ids, completions, rewards, scores) per group
@@ -41,7 +43,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
         rows = sampler.next(math.ceil((P - len(kept)) * over) if cfg.algorithm.dynamic_sampling else P)
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
         t0 = time.time()
-        comps = roles.generate(prompts, n=G, seed=cfg.seed * 100_003 + step * 101 + draw)
+        comps = roles.generate(prompts, n=G, seed=cfg.seed * 100_003 + step * 101 + draw, route_stages=route_stages)
         gen_s += time.time() - t0
         tokens += sum(len(c.token_ids) for c in comps)
         texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
@@ -55,7 +57,8 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int) -> Rollout:
                                    cfg.algorithm.overlong_penalty).view(len(rows), G)
         rewards_PG = scores_PG + penalty
         drawn += len(rows)
-        keep = nonzero_variance_groups(rewards_PG) if cfg.algorithm.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
+        keep = (nonzero_variance_groups(rewards_PG) if cfg.algorithm.dynamic_sampling
+                else torch.ones(len(rows), dtype=torch.bool))
         for i in range(len(rows)):
             if keep[i]:
                 kept.append((rows[i], prompts[i], comps[i * G:(i + 1) * G], rewards_PG[i], scores_PG[i]))

@@ -32,7 +32,7 @@ from rlhf.layout import default_expert_map
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
-from rlhf.routing import route_share
+from rlhf.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
@@ -132,7 +132,7 @@ class Run(Recovery):
     last_sync: Optional[SyncReplies] = None
     train_seconds: float = 0.0  # step time less evaluation: what throughput is measured over
     samples_dropped: int = 0  # StaleSync: samples too old to train on
-    extra_state: Optional[Callable[[], dict]] = None  # more driver state for checkpoints (StaleSync's queue)
+    extra_state: Optional[Callable[[Path], dict]] = None  # more driver state for a checkpoint dir (StaleSync's queue)
     at_step: int = 0  # the step in progress (or the one just evaluated): where faults are counted and injected
     trainer_offloaded: bool = False  # co-location: the trainer's state is in host memory (engines' turn)
     engines_asleep: bool = False  # co-location: the engines released their memory (trainer's turn)
@@ -198,29 +198,43 @@ class Run(Recovery):
 
         return ray.put(obj)
 
-    def route_shares(self, batch: TokenBatch, row_lists) -> tuple[list[dict], dict]:
-        """Each trainer rank's share of the batch's routes (its DP index's samples in the calls over
-        `row_lists`, its stage's MoE layers), as call kwargs put once per (DP index, stage); and their bytes."""
+    @property
+    def route_stages(self) -> list[list[int]] | None:
+        """The MoE layer indices of each trainer pipeline stage, when the engines capture routes: the blocks
+        the engines keep them in (`Roles.generate`), so a stage reads only its layers."""
+        if not self.cfg.captures_routes:
+            return None
+        m, lay = self.cfg.model, self.inputs.sync.trainer
+        return [[l - m.first_k_dense_layers for l in r if l >= m.first_k_dense_layers]
+                for r in lay.stage_layers(m.num_hidden_layers)]
+
+    def route_shares(self, ro: Rollout, batch: TokenBatch, row_lists) -> tuple[list[dict], dict]:
+        """What each trainer rank reads of the engines' routes (its DP index's samples in the calls over
+        `row_lists`, its stage's MoE layers) as call kwargs, one `RouteFetch` per (DP index, stage): object
+        references and row places only, so the routes go from the engines' blocks to the ranks; and the
+        bytes the ranks read."""
         m, t = self.cfg.model, self.cfg.trainer
         lay = self.inputs.sync.trainer
-        stages = [[l - m.first_k_dense_layers for l in r if l >= m.first_k_dense_layers]
-                  for r in lay.stage_layers(m.num_hidden_layers)]
-        refs, sizes = {}, {}
+        refs = [c.routes for c in ro.completions]
+        L, T = m.num_hidden_layers - m.first_k_dense_layers, batch.input_ids_BT.shape[1]
+        fetch = {}
         for dp in range(lay.dp):
             rows = batch.dp_rows(row_lists, lay.dp, dp, t.micro_batch_tokens)
-            for stage, layers in enumerate(stages):
-                share = route_share(batch.routes_BTLk, rows, layers)
-                refs[dp, stage], sizes[dp, stage] = self.put(share), share.nbytes
-        per_rank = [{"routes": refs[c.dp, c.pp]} for c in map(lay.coords, range(lay.world_size))]
-        return per_rank, {"route/bytes_sent": sum(sizes.values()), "route/bytes_per_rank_max": max(sizes.values())}
+            for stage, layers in enumerate(self.route_stages):
+                fetch[dp, stage] = RouteFetch(tuple(rows), tuple(refs[r] for r in rows), stage, tuple(layers), L,
+                                              m.num_experts_per_tok, T)
+        per_rank = [{"routes": fetch[c.dp, c.pp]} for c in map(lay.coords, range(lay.world_size))]
+        sizes = [f.nbytes for f in fetch.values()]
+        stored = sum(r.nbytes(L, m.num_experts_per_tok) for r in refs)
+        return per_rank, {"route/bytes_sent": sum(sizes), "route/bytes_per_rank_max": max(sizes),
+                          "route/bytes_stored": stored}
 
     def token_batch(self, ro: Rollout) -> TokenBatch:
         G = self.cfg.algorithm.group_size
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
                                        [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
-                                       self.cfg.rollout.temperature,
-                                       [c.routes for c in ro.completions] if self.cfg.captures_routes else None)
+                                       self.cfg.rollout.temperature)  # routes go apart (`route_shares`)
 
     def mini_batches(self, n: int, step: int) -> list[list[int]]:
         """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""
@@ -275,7 +289,7 @@ class Run(Recovery):
             self.roles.all(self.roles.trainer, "save", str(d))
             commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state(),
                        "expert_load_prediction": self.load_prediction}
-                   | (self.extra_state() if self.extra_state else {}))
+                   | (self.extra_state(d) if self.extra_state else {}))
             prune(Path(c.dir), c.keep_last)
         self.last_checkpoint = d
         return d

@@ -40,9 +40,8 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     mini_batches = run.mini_batches(len(batch), step)
     off_policy = not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches))
     sent, routes, route_bytes = batch, None, {}
-    if batch.routes_BTLk is not None:  # each trainer rank gets its own share of the routes, apart from the batch
-        routes, route_bytes = run.route_shares(batch, [range(len(batch))] * off_policy + mini_batches)
-        sent = batch.with_(routes_BTLk=None)
+    if run.route_stages is not None:  # each trainer rank reads its own share of the routes, apart from the batch
+        routes, route_bytes = run.route_shares(ro, batch, [range(len(batch))] * off_policy + mini_batches)
     if switch:
         with run.phase("switch to training", step):
             run.switch("sleep", "onload")
@@ -71,12 +70,14 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     if switch:
         with run.phase("switch to rollout", step):
             run.switch("wake_up", "offload")
-    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(batch, differs) | route_bytes)
+    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(run, ro, differs) | route_bytes)
 
 
-def route_metrics(batch: TokenBatch, differs_BT) -> dict:
-    if differs_BT is None or batch.routes_BTLk is None:
+def route_metrics(run: Run, ro: Rollout, differs_BT) -> dict:
+    if differs_BT is None or run.route_stages is None:
         return {}
-    s = RouteStats.of(differs_BT, batch.routes_BTLk)
+    m = run.cfg.model
+    s = RouteStats.counted(differs_BT, [c.routes.positions for c in ro.completions],
+                           m.num_hidden_layers - m.first_k_dense_layers)
     return {"route/mismatch": s.mismatch, "route/tokens_any_mismatch": s.tokens_any_mismatch,
             "route/token_layers": s.token_layers}

@@ -3,6 +3,7 @@ own top-k on the same tokens wherever the router's scores are not near a tie, fo
 request, and they follow a weight update."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,3 +84,33 @@ def test_captured_routes_are_the_engines_choices_and_follow_updates(engine):
     check_routes(m2, prompts, outs)
     with pytest.raises(AssertionError):
         check_routes(m1, prompts, outs)  # the old weights' routes are not the engine's any more
+
+
+def test_routes_kept_apart_in_blocks_per_trainer_stage(engine):
+    """`generate_routed` (what `rlhf train` calls): the completions carry only each sample's place in one
+    block per trainer stage, and the blocks hold exactly the routes `generate` returns, over the stage's MoE
+    layers; an evaluation's routes (`keep_routes=False`) are dropped, and do not leak into the next call."""
+    from rlhf.routing import RouteFetch, RouteRef
+
+    prompts = [[1, 5, 9, 13], [1, 7, 7, 21, 30, 2, 11, 8, 19], [1, 3]]
+    whole = engine.generate(prompts, n=2, seed=4)
+    assert all(c.routes is None for c in engine.generate(prompts, n=1, seed=0, temperature=0.0, keep_routes=False))
+    stages = [[0, 1], [2]]  # a pp2 trainer's MoE layers
+    comps, *blocks = engine.generate_routed(prompts, stages, n=2, seed=4)
+    assert [c.token_ids for c in comps] == [c.token_ids for c in whole]
+    assert all(isinstance(c.routes, RouteRef) and c.routes.blocks == () for c in comps)
+    assert [b.shape[1] for b in blocks] == [2, 1] and blocks[0].dtype.name == "uint8"
+    for c, w in zip(comps, whole):
+        r = c.routes
+        assert r.positions == w.routes.shape[0]
+        for b, layers in zip(blocks, stages):
+            assert (b[r.start:r.start + r.positions] == w.routes[:, layers]).all()
+    # a trainer rank of stage 1 reading rows 1 and 4 through the references (here names of the blocks)
+    store = {"stage0": blocks[0], "stage1": blocks[1]}
+    refs = [replace(c.routes, blocks=("stage0", "stage1")) for c in comps]
+    T = max(len(prompts[c.prompt_index]) + len(c.token_ids) for c in comps)
+    share = RouteFetch((1, 4), (refs[1], refs[4]), 1, (2,), 3, 2, T).resolve(lambda names: [store[n] for n in names])
+    for i, row in enumerate((1, 4)):
+        n = whole[row].routes.shape[0]
+        assert (share.routes_RTLk[i, :n, 0].numpy() == whole[row].routes[:, 2]).all()
+        assert (share.routes_RTLk[i, n:] == -1).all()

@@ -10,7 +10,7 @@ import pytest
 
 from rlhf.config import load_run_config
 from rlhf.driver import train
-from rlhf.driver.async_loop import train_async
+from rlhf.driver.async_loop import ROUTE_BLOCKS, train_async
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,9 @@ def test_staleness_zero_is_the_synchronous_loop(tiny, ray_session, tmp_path):
 def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_session, tmp_path):
     d, _ = tiny
     out = tmp_path / "run"
-    first = train(_cfg(d, out, "steps=4", "eval_every=100", "stale_sync.max_staleness=1", "checkpoint.every_steps=2"))
+    replay = "trainer.routing_replay=rollout"  # the queued groups' routes go into the checkpoint too
+    first = train(_cfg(d, out, "steps=4", "eval_every=100", "stale_sync.max_staleness=1", "checkpoint.every_steps=2",
+                       replay))
     P = 32  # data.prompts_per_step of the config
     steps = _steps(out)
     assert first["steps_run"] == 4 and first["staleness_max"] <= 1 and first["samples_dropped"] == 0
@@ -57,16 +59,19 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
     # the checkpoint at step 2 holds the groups generated ahead of it
     state = json.loads((out / "ckpt" / "step_000002" / "driver.json").read_text())["stale_sync"]
     assert len(state["queue"]["groups"]) >= P and state["next_seq"] == state["queue"]["groups"][-1]["seq"] + 1
+    assert (out / "ckpt" / "step_000002" / ROUTE_BLOCKS).is_file()  # written by a task, not the driver
 
     again = tmp_path / "resumed"
     train(_cfg(d, again, "steps=4", "eval_every=100", "stale_sync.max_staleness=1",
-               f"checkpoint.resume={out / 'ckpt' / 'step_000002'}"))
+               f"checkpoint.resume={out / 'ckpt' / 'step_000002'}", replay))
     resumed = _steps(again)
     assert [m["step"] for m in resumed] == [3, 4]
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in resumed] == \
         [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps[2:]]
-    # step 3 trains on the queued groups from the restored weights: the same update as the uninterrupted run
-    for k in ("reward/mean", "accuracy/train", "rollout/generated_tokens", "actor/loss", "actor/grad_norm"):
+    # step 3 trains on the queued groups from the restored weights, replaying their restored routes: the same
+    # update as the uninterrupted run
+    for k in ("reward/mean", "accuracy/train", "rollout/generated_tokens", "actor/loss", "actor/grad_norm",
+              "route/mismatch", "route/bytes_sent"):
         assert resumed[0][k] == steps[2][k], k
 
 

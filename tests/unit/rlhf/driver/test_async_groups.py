@@ -3,6 +3,7 @@ trains on them sees the same prompts, samples, behaviour logprobs, versions and 
 and the batch's statistics are counted once."""
 
 import json
+from dataclasses import replace
 
 import torch
 
@@ -41,19 +42,42 @@ def test_a_batch_split_over_two_steps_counts_its_statistics_once():
     assert first.groups_drawn + second.groups_drawn == 5
 
 
-def test_routes_round_trip_and_older_checkpoints_still_load():
-    """Routing replay: each sample's engine routes travel with it through the queue and a checkpoint; a
-    queue saved before routes existed (five fields per sample) loads with none."""
-    from dataclasses import replace
+def test_route_references_round_trip_through_a_checkpoint(tmp_path):
+    """Routing replay: each sample's RouteRef travels with it through the queue; a checkpoint writes the
+    queue as JSON with block numbers, the blocks themselves handed to `save` (a Ray task in the run, so they
+    never reach the driver) and read back by `load`; a queue saved before routes (five fields per sample)
+    loads with none, one with routes inline (before blocks) is refused with what to do."""
+    import pytest
 
-    import numpy as np
+    from rlhf.driver.async_loop import ROUTE_BLOCKS, queue_state_loaded, queue_state_saved
+    from rlhf.routing import RouteRef
 
     ro = _rollout()
-    routes = [np.arange(3 * 2 * 4, dtype=np.uint8).reshape(3, 2, 4) + i for i in range(len(ro.completions))]
-    ro = replace(ro, completions=[replace(c, routes=r) for c, r in zip(ro.completions, routes)])
-    groups = [QueuedGroup.from_json(json.loads(json.dumps(g.to_json()))) for g in to_groups(ro, batch=4, first_seq=0)]
-    back = to_rollout(groups)
-    assert all(c.routes.dtype == np.uint8 and np.array_equal(c.routes, r) for c, r in zip(back.completions, routes))
-    for g in groups:
-        g.payload["completions"] = [c[:5] for c in g.payload["completions"]]
-    assert all(c.routes is None for c in to_rollout(groups).completions)
+    refs = [RouteRef(3 * i, 3, ("call0-stage0" if i < 4 else "call1-stage0", "call0-stage1" if i < 4 else "call1-stage1"))
+            for i in range(len(ro.completions))]
+    ro = replace(ro, completions=[replace(c, routes=r) for c, r in zip(ro.completions, refs)])
+    state = {"groups": [g.to_json() for g in to_groups(ro, batch=4, first_seq=0)], "dropped": 1}
+    written = {}
+    saved = json.loads(json.dumps(queue_state_saved(state, tmp_path, lambda path, bs: written.update({path: bs}))))
+    assert list(written) == [tmp_path / ROUTE_BLOCKS] and len(written[tmp_path / ROUTE_BLOCKS]) == 4
+    order = written[tmp_path / ROUTE_BLOCKS]
+
+    def load(path, n):
+        assert path == tmp_path / ROUTE_BLOCKS and n == 4
+        return [f"reloaded {b}" for b in order]
+
+    back = to_rollout([QueuedGroup.from_json(g) for g in queue_state_loaded(saved, tmp_path, load)["groups"]])
+    assert [(c.routes.start, c.routes.positions) for c in back.completions] == [(r.start, r.positions) for r in refs]
+    assert [c.routes.blocks for c in back.completions] == [tuple(f"reloaded {b}" for b in r.blocks) for r in refs]
+    assert queue_state_loaded(saved, tmp_path, load)["dropped"] == 1
+
+    old = json.loads(json.dumps(saved))
+    for g in old["groups"]:
+        g["payload"]["completions"] = [c[:5] for c in g["payload"]["completions"]]
+    assert all(c.routes is None for c in to_rollout([QueuedGroup.from_json(g) for g in
+                                                     queue_state_loaded(old, tmp_path)["groups"]]).completions)
+    for g in old["groups"]:
+        g["payload"]["completions"] = [c + [{"dtype": "|u1", "shape": [1, 1, 1], "base64": "AA=="}]
+                                       for c in g["payload"]["completions"]]
+    with pytest.raises(ValueError, match="routing_replay=off"):
+        queue_state_loaded(old, tmp_path)
