@@ -14,11 +14,12 @@ from typing import Any, Callable
 class RoleError(RuntimeError):
     """A remote call to a role failed or timed out; names the role, rank and method."""
 
-    def __init__(self, role: str, rank: int, method: str, why: str, died: bool = False):
+    def __init__(self, role: str, rank: int, method: str, why: str, died: bool = False, hung: bool = False):
         super().__init__(f"{role} rank {rank}: {method} {why}")
         self.role, self.rank, self.method = role, rank, method
         self.pending: list = []  # from call_all: the calls of the other ranks, still running
         self.died = died  # the actor's process is gone (not: it raised, or it did not answer in time)
+        self.hung = hung  # it did not answer in time
 
 
 class RoleHandle:
@@ -50,7 +51,8 @@ class RoleHandle:
                 ray.cancel(ref)  # best effort; a stuck actor is killed and replaced by its owner (`kill`)
             except Exception:
                 pass
-            raise RoleError(self.role, self.rank, method, f"did not answer within {timeout_s:.0f} s") from None
+            raise RoleError(self.role, self.rank, method, f"did not answer within {timeout_s:.0f} s",
+                            hung=True) from None
         except ray.exceptions.RayActorError as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             if getattr(e, "actor_init_failed", False) and lines:  # the constructor raised: its last line says why
@@ -103,13 +105,13 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool) -> list[Any]:
                     ray.cancel(ref)
                 except Exception:
                     pass
-            error = RoleError(h.role, h.rank, m, f"did not answer within {timeout_s:.0f} s")
+            error = RoleError(h.role, h.rank, m, f"did not answer within {timeout_s:.0f} s", hung=True)
             if first_error:
                 raise error
             for ref in pending:
                 i = index[ref]
                 results[i] = RoleError(calls[i][0].role, calls[i][0].rank, calls[i][1],
-                                       f"did not answer within {timeout_s:.0f} s")
+                                       f"did not answer within {timeout_s:.0f} s", hung=True)
             break
         i = index[ready[0]]
         try:

@@ -42,6 +42,8 @@ class Roles:
     start_policy: Optional[Callable[..., tuple]] = None  # every trainer and reference rank on its slot
     engine_shm: list = field(default_factory=list)  # each engine's shared-memory prefixes
     policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
+    engine_pids: list = field(default_factory=list)  # each engine actor's process (chaos.stop_engines)
+    hang_timeout_s: float = 0.0  # a generate call not answered within it: the engine hangs (0: timeout_s)
     version: int = 0  # the weights every engine serves (the last sync's)
     # set by the driver: replaces dead engines (indices, what failed, the handles that died) and installs
     # `version` in them; None: a death raises
@@ -111,6 +113,8 @@ class Roles:
             f"{len(rewards)} reward worker(s) starting")
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
+        roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
+        roles.hang_timeout_s = cfg.rollout.hang_timeout_s
         roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
@@ -170,9 +174,10 @@ class Roles:
             except Exception:
                 pass
             self.engines[k] = self.start_engine(k, stale_shm=self.engine_shm[k])
-        replies = call_all([(self.engines[k], "shm_prefixes", (), {}) for k in dead], START_TIMEOUT_S)
-        for k, prefixes in zip(dead, replies):
-            self.engine_shm[k] = prefixes
+        replies = call_all([(self.engines[k], m, (), {}) for k in dead for m in ("shm_prefixes", "pid")],
+                           START_TIMEOUT_S)
+        for k, prefixes, pid in zip(dead, replies[::2], replies[1::2]):
+            self.engine_shm[k], self.engine_pids[k] = prefixes, pid
         self.join_sync()
 
     # --- fan-out calls ---
@@ -191,9 +196,10 @@ class Roles:
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
         and never fetched here; without it the engines drop the call's routes.
 
-        An engine that dies meanwhile is handed to `self.recover` (which replaces it and installs the weights
-        the others serve) and its share generated again there, with the same seeds: the call returns what it
-        would have without the fault. Without `recover` the death raises RoleError."""
+        An engine that dies meanwhile, or hangs (no answer within `hang_timeout_s`), is handed to
+        `self.recover` (which kills and replaces it and installs the weights the others serve) and its share
+        generated again there, with the same seeds: the call returns what it would have without the fault.
+        Without `recover` the failure raises RoleError."""
         from dataclasses import replace
 
         k = len(self.engines)
@@ -209,9 +215,9 @@ class Roles:
         todo, outs = [e for e in range(k) if chunks[e]], [[] for _ in range(k)]
         while todo:
             calls_made = {e: self.engines[e] for e in todo}  # the handles called (another thread may replace one)
-            results = call_each([call(e) for e in todo], self.timeout_s,
+            results = call_each([call(e) for e in todo], self.hang_timeout_s or self.timeout_s,
                                 on_submit=lambda: self.inject(phase))
-            dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and r.died]
+            dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and (r.died or r.hung)]
             for e, r in zip(todo, results):
                 if isinstance(r, BaseException) and (e not in dead or self.recover is None):
                     raise r

@@ -144,6 +144,9 @@ class VLLMEngine:
     def address(self) -> tuple[str, int]:
         return node_address()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def shm_prefixes(self) -> list[str]:
         """The prefixes of the shared-memory segments this engine's workers create (the driver keeps them for
         the engine that replaces this one, should it die); answering also says the engine is up."""

@@ -214,6 +214,11 @@ class RolloutConfig:
     # restart does not fix. 0: a dead engine stops the run.
     max_restarts: int = 3
     restart_window_steps: int = 20
+    # A generate call (the step's rollouts, an evaluation) an engine has not answered within this many seconds
+    # means the engine hangs (alive but stuck: a wedged device, a stalled file system): it is killed and
+    # replaced as a dead one is, and the call redone (docs/faults.md). 0: trainer.collective_timeout_s + 60.
+    # Set it above the longest generation a healthy engine takes.
+    hang_timeout_s: float = 0.0
 
     @property
     def parity_limit(self) -> float:
@@ -385,6 +390,10 @@ class ChaosConfig:
     # Trainer ranks the driver kills: "RANK@STEP" or "RANK@STEP:PHASE", PHASE one of update (the default:
     # during the step's policy update), logprobs (the old-logprob pass) or sync (while it sends weights).
     kill_trainer_ranks: tuple[str, ...] = ()
+    # Rollout engines the driver stops (SIGSTOP to the actor's process: alive, never answering; runs on this
+    # machine only): "ENGINE@STEP" or "ENGINE@STEP:PHASE", PHASE generate (default) or evaluate. The engine
+    # is found hung after rollout.hang_timeout_s and replaced.
+    stop_engines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -412,12 +421,18 @@ class RunConfig:
 
 
 KILL_PHASES = ("generate", "sync", "evaluate")
+STOP_PHASES = ("generate", "evaluate")
 TRAINER_KILL_PHASES = ("update", "logprobs", "sync")
 
 
 def engine_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
     """`chaos.kill_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
     return _kills(entries, "ENGINE", KILL_PHASES)
+
+
+def engine_stops(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """`chaos.stop_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
+    return _kills(entries, "ENGINE", STOP_PHASES)
 
 
 def trainer_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:

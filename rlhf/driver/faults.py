@@ -6,11 +6,14 @@ budgets that bound it.
                         thread, `serve_recoveries`), at most rollout.max_restarts in a window of steps
     a trainer or        every trainer and reference rank restarted, the last complete checkpoint restored, the
     reference rank      steps since it redone (`restart_policy`, synchronous loop), at most trainer.max_restarts
-    chaos               the kills `chaos.*` asks for, sent as a phase's calls go out (`_inject`)
+    a hung engine       (a generate call unanswered within rollout.hang_timeout_s) killed, then as a dead one
+    chaos               the kills and stops `chaos.*` asks for, sent as a phase's calls go out (`_inject`)
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -59,7 +62,7 @@ class Recovery:
             raise EngineRestartsExhausted(refused)
         step = self.at_step
         version = self.roles.version if version is None else version
-        self.log(f"step {step}: rollout engine(s) {dead} died ({why}); replacing them and installing weights "
+        self.log(f"step {step}: rollout engine(s) {dead} failed ({why}); replacing them and installing weights "
                  f"version {version}")
         with self.phase("engine restart", step):
             self.roles.replace_engines(dead)
@@ -122,6 +125,10 @@ class Recovery:
         for kill in [k for k in self.kills if k[0] == at and k[3] == phase]:
             self.kills.remove(kill)
             step, role, index, _ = kill
+            if role == "stop rollout":  # alive and never answering: found by rollout.hang_timeout_s
+                self.log(f"step {step}: chaos: stopping rollout rank {index} during {phase} (SIGSTOP)")
+                os.kill(self.roles.engine_pids[index], signal.SIGSTOP)
+                continue
             self.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
             (self.roles.engines if role == "rollout" else self.roles.trainer)[index].kill()
 
