@@ -292,9 +292,6 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
             if not 0 <= index < count or not 1 <= step <= cfg.steps:
                 p.append(Problem(f"chaos.{key}", list(entries), f"{index}@{step}: {what} are 0..{count - 1}, steps "
                                  f"1..{cfg.steps}"))
-        if kills and key == "kill_trainer_ranks" and cfg.stale_sync.max_staleness > 0:
-            p.append(Problem(f"chaos.{key}", list(entries), "dead trainer ranks are restarted in the synchronous loop "
-                             "only (stale_sync.max_staleness: 0) so far"))
     return p
 
 

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from actors.dist_queue import DistQueue
+from actors.remote import RoleError
 from actors.route_blocks import load_route_blocks, save_route_blocks
 from actors.vllm_engine import Completion
 from rlhf.algorithms.staleness import importance_stats, may_start, staleness_stats
@@ -268,50 +269,50 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
         producer.wait(lambda: producer.groups_made > made)
 
 
+def producer_from(run: Run, queue: DistQueue, ckpt: Path | None) -> Producer:
+    """A producer (not started) going on from checkpoint `ckpt` (None: from the run's step, nothing queued):
+    a StaleSync checkpoint's queued groups are loaded to be trained on, not made again, and batches are made
+    from its cursor."""
+    next_batch, next_seq = run.step + 1, 0
+    state = load_driver_state(ckpt).get("stale_sync") if ckpt is not None else None
+    queue.load(queue_state_loaded(state["queue"], ckpt) if state else {"groups": [], "dropped": 0})
+    if state:
+        next_batch, next_seq = state["next_batch"], state["next_seq"]
+        run.log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
+    run.samples_dropped = queue.dropped * run.cfg.algorithm.group_size
+    producer = Producer(run, queue, next_batch, next_seq)
+    run.wake_main = producer.notify
+    run.extra_state = lambda d: {"stale_sync": {"queue": queue_state_saved(queue.state(), d),
+                                                "next_batch": producer.next_batch, "next_seq": producer.next_seq}}
+    return producer
+
+
 def train_async(cfg: RunConfig, log) -> dict:
     run = Run.start(cfg, log)
     queue = producer = None
     try:
         queue = DistQueue(cfg.stale_sync.queue_shards, timeout_s=run.roles.timeout_s)
-        next_batch, next_seq = run.step + 1, 0
-        if run.inputs.resume_dir is not None:
-            state = load_driver_state(run.inputs.resume_dir).get("stale_sync")
-            if state:  # a StaleSync checkpoint: the groups made ahead of it are trained on, not made again
-                queue.load(queue_state_loaded(state["queue"], run.inputs.resume_dir))
-                next_batch, next_seq = state["next_batch"], state["next_seq"]
-                run.samples_dropped = queue.dropped * cfg.algorithm.group_size
-                log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
-        producer = Producer(run, queue, next_batch, next_seq)
-        run.wake_main = producer.notify
-        run.extra_state = lambda d: {"stale_sync": {"queue": queue_state_saved(queue.state(), d),
-                                                    "next_batch": producer.next_batch, "next_seq": producer.next_seq}}
+        producer = producer_from(run, queue, run.inputs.resume_dir)
         acc_start = run.evaluate(run.step)
         producer.start()
-        for step in range(run.step + 1, cfg.steps + 1):
-            t_step, run.at_step = time.time(), step
-            with run.phase("wait for rollouts", step):
-                groups = take_batch(run, queue, producer, step)
-            ro = to_rollout(groups)
-            learned = learn(run, ro, step, switch=False)
-            run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
-            producer.serve(step)
-            acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                with producer.paused_between_batches():
-                    run.checkpoint(step)
-            batch = learned.batch
-            versions = [c.weight_version for c in ro.completions]
-            fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
-            parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT,
-                                    batch.mask_BT * fresh.to(batch.mask_BT.dtype))  # only there must they agree
-            extra = staleness_stats(step, versions) | importance_stats(
-                learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, cfg.algorithm.tis_cap)
-            extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
-                      "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
-                      "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
-                      "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.route_metrics
-            run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
-                       time.time() - t_step, extra)
+        step = run.step + 1
+        while step <= cfg.steps:
+            try:
+                async_step(run, queue, producer, step)
+            except RoleError as e:  # a dead trainer or reference rank: all restarted from the last checkpoint
+                died = run.dead_policy_rank(e)
+                if died is None:
+                    raise
+                producer.stop(run.roles.timeout_s)  # its batch in flight finished: the engines are idle
+                if producer.thread.is_alive():
+                    raise ProducerError(f"the rollout producer did not stop within {run.roles.timeout_s:.0f} s to "
+                                        f"restart the trainer after: {died}") from e
+                run.restart_policy(died)  # the weights, optimizer, data cursor and RNG of the checkpoint
+                producer = producer_from(run, queue, run.last_checkpoint or run.inputs.resume_dir)
+                producer.start()
+                step = run.step + 1
+                continue
+            step += 1
         run.close_recoveries()
         producer.stop(run.roles.timeout_s)
         return run.finish(acc_start)
@@ -324,3 +325,30 @@ def train_async(cfg: RunConfig, log) -> dict:
     finally:
         if queue is not None:
             queue.close()
+
+
+def async_step(run: Run, queue: DistQueue, producer: Producer, step: int) -> None:
+    cfg, t_step, run.at_step = run.cfg, time.time(), step
+    with run.phase("wait for rollouts", step):
+        groups = take_batch(run, queue, producer, step)
+    ro = to_rollout(groups)
+    learned = learn(run, ro, step, switch=False)
+    run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
+    producer.serve(step)
+    acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
+    if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+        with producer.paused_between_batches():
+            run.checkpoint(step)
+    batch = learned.batch
+    versions = [c.weight_version for c in ro.completions]
+    fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
+    parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT,
+                            batch.mask_BT * fresh.to(batch.mask_BT.dtype))  # only there must they agree
+    extra = staleness_stats(step, versions) | importance_stats(
+        learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, cfg.algorithm.tis_cap)
+    extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
+              "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
+              "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
+              "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.route_metrics
+    run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
+               time.time() - t_step, extra)

@@ -1,7 +1,8 @@
 """StaleSync end to end on Ray with a real engine, trainer and DistQueue, on the disaggregated tiny config:
 the asynchronous driver at staleness 0 is the synchronous loop (the same metrics for a seed); at staleness 1
 the engines generate ahead, no sample is older than the bound, and a run resumed from a checkpoint trains on
-the groups queued at that checkpoint, each once, in order."""
+the groups queued at that checkpoint, each once, in order; so does a run whose trainer rank dies (every rank
+restarted from the last checkpoint, the queue and the producer rewound to it)."""
 
 import json
 from pathlib import Path
@@ -61,11 +62,16 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
     assert len(state["queue"]["groups"]) >= P and state["next_seq"] == state["queue"]["groups"][-1]["seq"] + 1
     assert (out / "ckpt" / "step_000002" / ROUTE_BLOCKS).is_file()  # written by a task, not the driver
 
+    # resumed from step 2; then trainer rank 1 dies in step 4's update: every trainer rank restarts from the
+    # step-2 checkpoint, its queued groups loaded again and the producer rewound to its cursor
     again = tmp_path / "resumed"
-    train(_cfg(d, again, "steps=4", "eval_every=100", "stale_sync.max_staleness=1",
-               f"checkpoint.resume={out / 'ckpt' / 'step_000002'}", replay))
-    resumed = _steps(again)
-    assert [m["step"] for m in resumed] == [3, 4]
+    result = train(_cfg(d, again, "steps=4", "eval_every=100", "stale_sync.max_staleness=1",
+                        f"checkpoint.resume={out / 'ckpt' / 'step_000002'}", replay, "chaos.kill_trainer_ranks=[1@4]"))
+    assert result["trainer_restarts"] == 1 and result["steps_redone"] == 1 and result["samples_dropped"] == 0
+    lines = _steps(again)
+    assert [m["step"] for m in lines] == [3, 3, 4]  # step 3 redone after the restart: the later line counts
+    resumed = [lines[0], lines[2]]
+    assert lines[1]["stale/seq_first"] == lines[0]["stale/seq_first"] and lines[1]["actor/loss"] == lines[0]["actor/loss"]
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in resumed] == \
         [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps[2:]]
     # step 3 trains on the queued groups from the restored weights, replaying their restored routes: the same

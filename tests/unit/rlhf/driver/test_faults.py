@@ -51,7 +51,6 @@ def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_g
     (["chaos.kill_engines=[2@3]"], "engines are 0..1"),  # the tiny job has two engines
     (["chaos.kill_engines=[1@400]"], "steps 1..350"),
     (["chaos.kill_engines=[1@3:later]"], "none of generate, sync, evaluate"),
-    (["chaos.kill_trainer_ranks=[1@3]", "stale_sync.max_staleness=1"], "synchronous loop only"),
     (["rollout.max_restarts=-1"], "rollout.max_restarts = -1"),
     (["trainer.max_restarts=-1"], "trainer.max_restarts = -1"),
     (["chaos.kill_trainer_ranks=[2@3]"], "trainer ranks are 0..1"),  # dp2 x ep2: two ranks (ep within dp)
