@@ -24,6 +24,9 @@ from typing import Any, Iterator, Optional, TextIO
 from rlhf.schema import TrackingConfig, TrackingMode
 
 
+STEP_KEY = "train/step"  # the run's step, logged with every row
+
+
 class Tracker:
     """One W&B run: the run config once, then `log(metrics, step)` per step, then `finish()`.
 
@@ -61,12 +64,17 @@ class Tracker:
                 ) from e
             raise
         self._run_dir = self._run.sync_dir
+        # Every metric is charted against the run's step (STEP_KEY), not W&B's own row counter: a step redone
+        # after a trainer restart is logged again at its step (W&B refuses rows below its counter) and the
+        # later row is the one that counts, as in steps.jsonl.
+        self._run.define_metric(STEP_KEY)
+        self._run.define_metric("*", step_metric=STEP_KEY)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Record `metrics` at `step`. Keys may hold slashes ("time/generate"): W&B groups by prefix.
-        Steps must not decrease (W&B drops, with a warning, what is logged to an earlier step)."""
+        """Record `metrics` at `step` (as STEP_KEY, W&B's x axis for every metric). Keys may hold slashes
+        ("time/generate"): W&B groups by prefix. A step may be logged again (a redone step)."""
         if self._run is not None:
-            self._run.log(dict(metrics), step=step)
+            self._run.log(dict(metrics) | {STEP_KEY: step})
 
     def finish(self, exit_code: int = 0) -> Optional[str]:
         """Close the run (a non-zero `exit_code` marks it failed); returns `run_dir`. Idempotent."""

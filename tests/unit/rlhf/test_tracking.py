@@ -49,6 +49,7 @@ OFFLINE_RUN = """
     for step in range(3):
         with trace.phase("train", "device 0/trainer r0", step):
             tracker.log({"reward/mean": 0.1 * step, "time/generate": 1.5, "sync/bytes": 1e9}, step=step)
+    tracker.log({"reward/mean": 0.75, "time/generate": 1.5, "sync/bytes": 1e9}, step=2)  # step 2 redone
     trace.save()
     Path("run_dir.txt").write_text(tracker.finish())
 """
@@ -97,20 +98,22 @@ def test_offline_run_is_a_syncable_folder(offline_run):
 def test_offline_run_holds_metrics_per_step_and_the_config(offline_run):
     _, run_dir, _ = offline_run
     (wandb_file,) = run_dir.glob("run-*.wandb")
-    history, config = {}, {}
+    rows, config, axis = [], {}, None
     for record in _wandb_records(wandb_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history[record.history.step.num] = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
         elif kind == "run":
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
-    assert sorted(history) == [0, 1, 2]
-    for step, items in history.items():
-        assert METRIC_KEYS <= items.keys()
-        assert items["reward/mean"] == pytest.approx(0.1 * step)
+        elif kind == "metric" and record.metric.glob_name == "*":
+            axis = record.metric.step_metric
+    # every metric charted against the run's step; a redone step is a row of its own, logged after the first
+    assert axis == "train/step" and [r["train/step"] for r in rows] == [0, 1, 2, 2]
+    for r in rows[:3]:
+        assert METRIC_KEYS <= r.keys()
+        assert r["reward/mean"] == pytest.approx(0.1 * r["train/step"])
+    assert rows[3]["reward/mean"] == 0.75
     assert config["tracking"]["mode"] == "offline"
     assert config["algorithm"]["estimator"] == "grpo"
 
