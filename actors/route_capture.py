@@ -192,8 +192,9 @@ def split_routes(completions: list, stages: Sequence[Sequence[int]]) -> tuple:
     if missing:
         raise RuntimeError(f"generate_routed: {len(missing)} completion(s) without routes: the engine was "
                            "built without capture_routes")
-    whole = (np.concatenate([c.routes for c in completions]) if completions
-             else np.zeros((0, max((max(s) + 1 for s in stages if len(s)), default=0), 1), np.uint8))
+    if not completions:
+        return ([], *(np.zeros((0, len(layers), 1), np.uint8) for layers in stages))
+    whole = np.concatenate([c.routes for c in completions])
     starts = np.cumsum([0] + [len(c.routes) for c in completions])
     out = [replace(c, routes=RouteRef(int(s), len(c.routes), itemsize=whole.itemsize))
            for c, s in zip(completions, starts)]

@@ -108,8 +108,8 @@ class RouteStats:
         routed_BT = torch.arange(T)[None, :] < routed_B[:, None]
         tokens = int(routed_B.clamp(max=T).sum())
         d = differs_BT.long() * routed_BT
-        L = num_layers
-        return RouteStats(float(d.sum()) / max(tokens * L, 1), float((d > 0).sum()) / max(tokens, 1), tokens * L)
+        pairs = tokens * num_layers
+        return RouteStats(float(d.sum()) / max(pairs, 1), float((d > 0).sum()) / max(tokens, 1), pairs)
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,6 @@ class RouteShare:
     def expand(self, B: int) -> torch.Tensor:
         """As the whole batch's routes [B, T, L, k]."""
         return self.rows_BTLk(torch.arange(B), self.routes_RTLk.shape[1])
-
-
-def route_share(routes_BTLk: torch.Tensor, rows: Sequence[int], layers: Sequence[int]) -> RouteShare:
-    idx = torch.tensor(sorted(rows), dtype=torch.long)
-    return RouteShare(idx, tuple(layers), routes_BTLk[idx][:, :, list(layers)].contiguous(), routes_BTLk.shape[2])
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class Recovery:
             step, role, index, _ = kill
             if role == "stop rollout":  # alive and never answering: found by rollout.hang_timeout_s
                 self.log(f"step {step}: chaos: stopping rollout rank {index} during {phase} (SIGSTOP)")
-                os.kill(self.roles.engine_pids[index], signal.SIGSTOP)
+                os.kill(_engine_process(self.roles.engine_pids[index], index), signal.SIGSTOP)
                 continue
             self.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
             (self.roles.engines if role == "rollout" else self.roles.trainer)[index].kill()
@@ -216,3 +216,16 @@ def restart_refusal(restarts: list[int], step: int, dead: list[int], why: str, r
             f"{r.restart_window_steps} steps, and rollout.max_restarts={r.max_restarts} allows no more: stopping. "
             f"The engines' logs are under /tmp/ray/session_latest/logs (actor rollout-<k>); resume from the last "
             f"checkpoint with checkpoint.resume=auto")
+
+
+def _engine_process(pid: int, index: int) -> int:
+    """`pid` if it is engine `index`'s actor process on this machine; chaos.stop_engines signals it from here,
+    so an engine on another node (whose pid means nothing here) is refused, never some local process."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        title = ""
+    if "VLLMEngine" not in title:
+        raise ValueError(f"chaos.stop_engines: rollout engine {index} (pid {pid}) is not a process on the driver's "
+                         "machine; stop engines only in runs whose engines share the driver's machine")
+    return pid

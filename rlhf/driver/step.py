@@ -39,7 +39,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     batch = run.token_batch(ro)
     mini_batches = run.mini_batches(len(batch), step)
     off_policy = not on_policy(cfg.algorithm, cfg.trainer.epochs, len(mini_batches))
-    sent, routes, route_bytes = batch, None, {}
+    routes, route_bytes = None, {}
     if run.route_stages is not None:  # each trainer rank reads its own share of the routes, apart from the batch
         routes, route_bytes = run.route_shares(ro, batch, [range(len(batch))] * off_policy + mini_batches)
     if switch:
@@ -48,17 +48,17 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     old_logp = entropy = differs = None  # on-policy: the update's own forward gives them (rlhf.algorithms.objective)
     if off_policy:
         with run.phase("old logprobs", step):
-            old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(sent), routes)
+            old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch), routes)
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
         differs = batch_route_differs(replies)
-    ref_logp = run.reference_logprobs(sent, step)  # without routes: the policy's are not the reference's
+    ref_logp = run.reference_logprobs(batch, step)  # without routes: the policy's are not the reference's
     rewards_PG = ro.rewards_PG
     if cfg.algorithm.kl_in_reward and ref_logp is not None:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)
     extras = dict(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp, ref_logp_BT=ref_logp)
-    batch, sent = batch.with_(**extras), sent.with_(**extras)
+    batch = batch.with_(**extras)
     with run.phase("update", step):
-        updates = roles.all(roles.trainer, "update", run.put(sent), mini_batches, per_rank=routes)
+        updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
     run.trace_ranks("update", roles.trainer, updates, step)
     run.observe_expert_loads(updates)  # before this step's checkpoint, which saves the load prediction
     if old_logp is None:

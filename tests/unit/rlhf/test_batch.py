@@ -47,7 +47,7 @@ def test_logprobs_score_the_tempered_distribution_the_rollout_sampled_from():
 def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
     import numpy as np
 
-    from rlhf.routing import route_share
+    from rlhf.routing import RouteFetch, RouteRef
 
     prompts = [[1] * (2 + i % 3) for i in range(10)]
     responses = [[4] * (1 + i % 4) for i in range(10)]
@@ -57,12 +57,18 @@ def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
     assert b.routes_BTLk.dtype == torch.int16 and b.routes_BTLk.shape == (10, b.input_ids_BT.shape[1], 3, 2)
     for i, L in enumerate(b.lengths):
         assert (b.routes_BTLk[i, :L - 1] == i).all() and (b.routes_BTLk[i, L - 1:] == -1).all()
+    # as an engine keeps them for a pp2 trainer whose second stage holds MoE layer 2: one block per stage
+    starts = np.cumsum([0] + [len(r) for r in routes])
+    blocks = {"stage0": np.concatenate(routes)[:, :2], "stage1": np.concatenate(routes)[:, 2:]}
+    refs = [RouteRef(int(s), len(r), ("stage0", "stage1")) for s, r in zip(starts, routes)]
     calls = [range(10), [3, 1, 7, 0, 9], [2, 4, 5, 6, 8]]  # old logprobs over all, then two mini-batches
     shares = [b.dp_rows(calls, 2, d, max_tokens=12) for d in range(2)]
     for d, rows in enumerate(shares):  # exactly the rows the rank's micro-batches take
         want = {r for c in calls for mb in b.micro_batches(c, 2, d, 12) for r in mb.extras["rows"].tolist()}
         assert rows == sorted(want)
-        share = route_share(b.routes_BTLk, rows, [2])  # a stage holding MoE layer 2 only
+        fetch = RouteFetch(tuple(rows), tuple(refs[r] for r in rows), 1, (2,), 3, 2, b.input_ids_BT.shape[1])
+        share = fetch.resolve(lambda names: [blocks[n] for n in names])  # what the trainer rank reads
+        assert fetch.nbytes == sum(len(routes[r]) * 1 * 2 for r in rows)  # uint8 ids, one layer, top-2
         full = share.expand(len(b))
         assert torch.equal(full[rows][:, :, 2], b.routes_BTLk[rows][:, :, 2])
         assert (full[:, :, :2] == -1).all() and share.nbytes < b.routes_BTLk.numel() * 2 / 2

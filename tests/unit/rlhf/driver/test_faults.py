@@ -63,3 +63,15 @@ def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_g
 def test_bad_fault_settings_are_refused_before_any_actor_starts(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_run_config(REPO / "configs/tiny_cpu.yaml", overrides)
+
+
+def test_chaos_stop_signals_only_an_engine_process_on_this_machine():
+    """chaos.stop_engines sends SIGSTOP from the driver: a pid that is not a local engine actor (an engine on
+    another node, whose pid means nothing here) is refused before any signal, never some other process."""
+    import os
+
+    from rlhf.driver.faults import _engine_process
+
+    for pid in (os.getpid(), 2 ** 22 + 1):  # this test's own process; a pid no process has
+        with pytest.raises(ValueError, match="not a process on the driver's machine"):
+            _engine_process(pid, 1)
