@@ -44,6 +44,7 @@ class Roles:
     policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
     engine_pids: list = field(default_factory=list)  # each engine actor's process (chaos.stop_engines)
     hang_timeout_s: float = 0.0  # a generate call not answered within it: the engine hangs (0: timeout_s)
+    probe_s: float = 0.0  # an engine answering no liveness probe for this long during a call hangs (0: off)
     version: int = 0  # the weights every engine serves (the last sync's)
     # set by the driver: replaces dead engines (indices, what failed, the handles that died) and installs
     # `version` in them; None: a death raises
@@ -95,7 +96,7 @@ class Roles:
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
                          interruptible=partial, capture_routes=cfg.captures_routes, stale_shm=tuple(stale_shm),
-                         max_concurrency=3 if partial else 1, **slot("rollout", k * rpe))
+                         max_concurrency=3 if partial else 1, probe=True, **slot("rollout", k * rpe))
 
         engines = [start_engine(k) for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
@@ -114,7 +115,7 @@ class Roles:
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
-        roles.hang_timeout_s = cfg.rollout.hang_timeout_s
+        roles.hang_timeout_s, roles.probe_s = cfg.rollout.hang_timeout_s, cfg.rollout.liveness_probe_s
         roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
@@ -196,7 +197,8 @@ class Roles:
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
         and never fetched here; without it the engines drop the call's routes.
 
-        An engine that dies meanwhile, or hangs (no answer within `hang_timeout_s`), is handed to
+        An engine that dies meanwhile, or hangs (no answer within `hang_timeout_s`, or its process silent to
+        liveness probes for `probe_s`), is handed to
         `self.recover` (which kills and replaces it and installs the weights the others serve) and its share
         generated again there, with the same seeds: the call returns what it would have without the fault.
         Without `recover` the failure raises RoleError."""
@@ -216,7 +218,7 @@ class Roles:
         while todo:
             calls_made = {e: self.engines[e] for e in todo}  # the handles called (another thread may replace one)
             results = call_each([call(e) for e in todo], self.hang_timeout_s or self.timeout_s,
-                                on_submit=lambda: self.inject(phase))
+                                on_submit=lambda: self.inject(phase), probe_s=self.probe_s)
             dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and (r.died or r.hung)]
             for e, r in zip(todo, results):
                 if isinstance(r, BaseException) and (e not in dead or self.recover is None):
@@ -262,10 +264,11 @@ class Roles:
 
     def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
-        memory)."""
+        memory). An engine whose process answers no liveness probe for `probe_s` fails the sync at once
+        (RoleError.hung) instead of after the group's timeout."""
         calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
         calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
-        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"))
+        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"), probe_s=self.probe_s)
         self.version = version
         return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
 

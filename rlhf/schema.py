@@ -219,6 +219,11 @@ class RolloutConfig:
     # replaced as a dead one is, and the call redone (docs/faults.md). 0: trainer.collective_timeout_s + 60.
     # Set it above the longest generation a healthy engine takes.
     hang_timeout_s: float = 0.0
+    # While a generate call or a weight sync runs, every engine is probed this often on a thread of its own
+    # (its process answers at once, however busy its call): one that has not answered the previous probe
+    # hangs (a stopped process, a wedged interpreter) and is replaced as above without waiting for
+    # hang_timeout_s or the sync group's timeout. 0: no probes.
+    liveness_probe_s: float = 10.0
 
     @property
     def parity_limit(self) -> float:
@@ -391,8 +396,9 @@ class ChaosConfig:
     # during the step's policy update), logprobs (the old-logprob pass) or sync (while it sends weights).
     kill_trainer_ranks: tuple[str, ...] = ()
     # Rollout engines the driver stops (SIGSTOP to the actor's process: alive, never answering; runs on this
-    # machine only): "ENGINE@STEP" or "ENGINE@STEP:PHASE", PHASE generate (default) or evaluate. The engine
-    # is found hung after rollout.hang_timeout_s and replaced.
+    # machine only): "ENGINE@STEP" or "ENGINE@STEP:PHASE", PHASE generate (default), sync or evaluate. The
+    # engine is found hung by its liveness probes (rollout.liveness_probe_s; without them after
+    # rollout.hang_timeout_s, or the sync call's deadline) and replaced.
     stop_engines: tuple[str, ...] = ()
 
 
@@ -421,7 +427,7 @@ class RunConfig:
 
 
 KILL_PHASES = ("generate", "sync", "evaluate")
-STOP_PHASES = ("generate", "evaluate")
+STOP_PHASES = ("generate", "sync", "evaluate")
 TRAINER_KILL_PHASES = ("update", "logprobs", "sync")
 
 

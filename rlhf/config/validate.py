@@ -99,6 +99,8 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         bad = "max_restarts" if r.max_restarts < 0 else "restart_window_steps"
         p.append(Problem(f"rollout.{bad}", getattr(r, bad), "must be >= 0 (0: a dead engine stops the run)"
                          if bad == "max_restarts" else "must be >= 1"))
+    if r.liveness_probe_s < 0:
+        p.append(Problem("rollout.liveness_probe_s", r.liveness_probe_s, "must be >= 0 (0: engines are not probed)"))
     if r.hang_timeout_s < 0:
         p.append(Problem("rollout.hang_timeout_s", r.hang_timeout_s, "must be >= 0 (0: trainer.collective_timeout_s "
                          "+ 60)"))

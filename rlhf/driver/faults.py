@@ -6,7 +6,8 @@ budgets that bound it.
                         thread, `serve_recoveries`), at most rollout.max_restarts in a window of steps
     a trainer or        every trainer and reference rank restarted, the last complete checkpoint restored, the
     reference rank      steps since it redone (`restart_policy`, synchronous loop), at most trainer.max_restarts
-    a hung engine       (a generate call unanswered within rollout.hang_timeout_s) killed, then as a dead one
+    a hung engine       (silent to liveness probes, or a call unanswered within rollout.hang_timeout_s, in a
+                        generation or a weight sync) killed, then as a dead one
     chaos               the kills and stops `chaos.*` asks for, sent as a phase's calls go out (`_inject`)
 """
 
@@ -27,7 +28,8 @@ class Recovery:
     """Mixed into `rlhf.driver.run.Run`, whose fields it uses (roles, inputs, cfg, the fault counters)."""
 
     def sync_weights(self, version: int) -> SyncReplies:
-        """The weight sync of `version` to every engine; an engine that died before or during it is replaced
+        """The weight sync of `version` to every engine; an engine that died before or during it, or hung in it
+        (silent to liveness probes, or its receive unanswered by the call's deadline), is replaced
         (`recover_engines`) and the sync done again, to all."""
         try:
             return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
@@ -35,9 +37,12 @@ class Recovery:
             if self.roles.recover is None:
                 raise
             # The peers of a dead engine fail at once (a closed connection) or wait in a receive that the
-            # group's re-forming releases (its members leave the old group first); not their timeout.
+            # group's re-forming releases (its members leave the old group first); not their timeout. The
+            # peers of a hung one are released when it is killed (its connections close).
             settle(e.pending, 2.0)
             dead = self.roles.dead_engines()
+            if not dead and e.hung and e.role == "rollout":
+                dead = [e.rank]
             if not dead:
                 raise
             sync = self.recover_engines(dead, str(e), version=version)

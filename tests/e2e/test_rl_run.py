@@ -138,9 +138,10 @@ def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run,
 
 def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_uninterrupted_one(short_run, tiny,
                                                                                              tmp_path):
-    """Rollout engines killed mid-generation (step 3), mid-sync (step 5) and mid-evaluation (step 8), and one
-    hung mid-generation (step 6: stopped, alive and never answering, found after rollout.hang_timeout_s): each
-    is replaced on its slot, the weight-sync group re-formed, the weights installed and checksummed, and the
+    """Rollout engines killed mid-generation (step 3), mid-sync (step 5) and mid-evaluation (step 8), and two
+    hung (stopped: alive and never answering), mid-generation (step 6) and mid-sync (step 7), each found by its
+    liveness probes within seconds (not the generation's or the sync group's timeout): each is replaced on its
+    slot, the weight-sync group re-formed, the weights installed and checksummed, and the
     interrupted work redone with the same seeds. Then trainer rank 1 killed mid-update (step 10): every trainer
     and reference rank restarts, the step-8 checkpoint is restored and steps 9 and 10 are redone. Every step
     trains on the same prompts and samples as the uninterrupted run of the same seed (`short_run`): every metric
@@ -152,10 +153,11 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
     shm_before = set(os.listdir("/dev/shm"))
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
-        "rollout.capture_routes=true", "chaos.kill_engines=[1@3,0@5:sync,1@8:evaluate]", "chaos.stop_engines=[0@6]",
-        "rollout.hang_timeout_s=20", "rollout.max_restarts=4", "chaos.kill_trainer_ranks=[1@10]"))
-    result = train(cfg)
-    assert result["steps_run"] == STEPS and result["engine_restarts"] == 4
+        "rollout.capture_routes=true", "chaos.kill_engines=[1@3,0@5:sync,1@8:evaluate]", "chaos.stop_engines=[0@6,1@7:sync]",
+        "rollout.liveness_probe_s=5", "rollout.max_restarts=5", "chaos.kill_trainer_ranks=[1@10]"))
+    said = []
+    result = train(cfg, log=said.append)
+    assert result["steps_run"] == STEPS and result["engine_restarts"] == 5
     assert result["trainer_restarts"] == 1 and result["steps_redone"] == 1  # step 9 done twice; 10 failed once
     assert result["heldout_accuracy_history"] == first["heldout_accuracy_history"]
     want = {m["step"]: m for m in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
@@ -167,7 +169,10 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
     for step in range(1, STEPS + 1):
         differ = [k for k in want[step] if not k.startswith(timing) and want[step][k] != got[step].get(k)]
         assert not differ, (step, [(k, want[step][k], got[step].get(k)) for k in differ[:5]])
-    assert [got[s]["faults/engine_restarts"] for s in (2, 3, 5, 6, 8, 16)] == [0, 1, 2, 3, 4, 4]
+    assert [got[s]["faults/engine_restarts"] for s in (2, 3, 5, 6, 7, 8, 16)] == [0, 1, 2, 3, 4, 5, 5]
+    hung = [line for line in said if "liveness probe" in line]
+    assert any("step 6: rollout engine(s) [0] failed" in line for line in hung), hung
+    assert any("step 7: rollout engine(s) [1] failed (rollout rank 1: receive_weights hung" in line for line in hung), hung
     assert [(got[s]["faults/trainer_restarts"], got[s]["faults/steps_redone"]) for s in (8, 9, 16)] == [(0, 0), (1, 1), (1, 1)]
     assert set(os.listdir("/dev/shm")) <= shm_before
 

@@ -57,7 +57,8 @@ def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_g
     (["chaos.kill_trainer_ranks=[1@3:generate]"], "none of update, logprobs, sync"),
     (["rollout.restart_window_steps=0"], "rollout.restart_window_steps = 0"),
     (["rollout.hang_timeout_s=-1"], "rollout.hang_timeout_s = -1"),
-    (["chaos.stop_engines=[1@3:sync]"], "none of generate, evaluate"),  # a hung sync is not replaced (yet)
+    (["chaos.stop_engines=[1@3:update]"], "none of generate, sync, evaluate"),
+    (["rollout.liveness_probe_s=-1"], "rollout.liveness_probe_s = -1"),
     (["chaos.stop_engines=[5@3]"], "engines are 0..1"),
 ])
 def test_bad_fault_settings_are_refused_before_any_actor_starts(overrides, key):
