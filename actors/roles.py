@@ -332,10 +332,41 @@ def connect(p, log=print) -> bool:
     num_cpus = max(os.cpu_count() or 1, int(devices * p.cpus_per_device + 0.999))
     # address="local": a new instance even where /tmp/ray/ray_current_cluster names another (left by `ray start`
     # or ray.cluster_utils, alive or long dead); with no address Ray would join that one and refuse num_cpus.
+    private_auth_token(log)
     ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=False)
     log(f"ray: started an embedded local instance ({num_cpus} CPUs, {resources or 'no custom resources'}); "
         f"actor logs are under /tmp/ray/session_latest/logs")
     return True
+
+
+def private_auth_token(log=print) -> None:
+    """Before an embedded instance starts. Ray 2.60's servers (GCS, raylet, workers) listen on every interface
+    whatever node address they are given, so what keeps others out is Ray's token auth, on by default for a
+    local instance (RAY_AUTH_MODE unset): every call must carry the token. Ray writes that token to
+    ~/.ray/auth_token (or RAY_AUTH_TOKEN_PATH) with the default umask, readable by every local user; here it is
+    written, or made, readable by its owner alone. An explicit RAY_AUTH_MODE=disabled is respected, and said."""
+    import os
+    import secrets
+    import stat
+    from pathlib import Path
+
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower()
+    if mode and mode != "token":
+        log(f"ray: warning: RAY_AUTH_MODE={mode}: the embedded instance takes calls from anyone who reaches this "
+            "machine (Ray's servers listen on every interface); unset it to keep Ray's token auth on")
+        return
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return  # the token comes from the environment: no file
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # as Ray makes one: 256 random bits
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        log(f"ray: {path} (Ray's auth token) was readable by other users; now by its owner alone")
 
 
 def batch_logprobs(replies: Sequence[Optional[LogprobsReply]]) -> tuple:
