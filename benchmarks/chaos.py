@@ -6,6 +6,8 @@
 Faults, drawn with `--seed`, each at its own step after the first checkpoint (a trainer rank lost before any
 checkpoint stops the run by design, docs/faults.md):
   engine   a rollout engine killed during generation, weight sync or evaluation (`chaos.kill_engines`)
+  hang     a rollout engine stopped (SIGSTOP: alive, never answering) during generation, weight sync or
+           evaluation (`chaos.stop_engines`), found hung by its liveness probes and replaced
   trainer  a trainer rank killed during the update, the old-logprob pass or the weight sync
            (`chaos.kill_trainer_ranks`): every trainer and reference rank restarts from the last checkpoint
   driver   the `rlhf train` process killed with SIGKILL a random fraction into the step, then the run started
@@ -50,7 +52,7 @@ def draw_faults(seed: int, n: int, steps: int, kinds: list[str], engines: int, t
     faults = []
     for step in sorted(rng.sample(range(first_step, steps + 1), n)):
         kind = rng.choice(kinds)
-        if kind == "engine":
+        if kind in ("engine", "hang"):
             phases = [p for p in ENGINE_PHASES if p != "evaluate" or step % eval_every == 0 or step == steps]
             faults.append({"kind": kind, "step": step, "index": rng.randrange(engines), "phase": rng.choice(phases)})
         elif kind == "trainer":
@@ -70,7 +72,9 @@ def overrides(out: Path, steps: int, eval_every: int, ckpt_every: int, extra: li
 def chaos_overrides(faults: list[dict], after_step: int) -> list[str]:
     engines = [f"{f['index']}@{f['step']}:{f['phase']}" for f in faults if f["kind"] == "engine" and f["step"] > after_step]
     trainer = [f"{f['index']}@{f['step']}:{f['phase']}" for f in faults if f["kind"] == "trainer" and f["step"] > after_step]
+    stops = [f"{f['index']}@{f['step']}:{f['phase']}" for f in faults if f["kind"] == "hang" and f["step"] > after_step]
     return ([f"chaos.kill_engines=[{','.join(engines)}]"] if engines else []) + \
+           ([f"chaos.stop_engines=[{','.join(stops)}]"] if stops else []) + \
            ([f"chaos.kill_trainer_ranks=[{','.join(trainer)}]"] if trainer else [])
 
 
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["engine", "trainer", "driver"], choices=["engine", "trainer", "driver"])
+    ap.add_argument("--kinds", nargs="+", default=["engine", "trainer", "driver"], choices=["engine", "hang", "trainer", "driver"])
     a = ap.parse_args()
 
     sys.path.insert(0, str(REPO))

@@ -15,9 +15,12 @@ def test_draws_are_seeded_distinct_and_after_the_first_checkpoint():
 
 
 def test_overrides_are_valid_chaos_entries_and_skip_what_a_killed_driver_already_saw():
-    faults = draw_faults(3, 10, 30, ["engine", "trainer", "driver"], 2, 2, 10, 6)
+    faults = draw_faults(3, 10, 30, ["engine", "hang", "trainer", "driver"], 2, 2, 10, 6)
+    assert {"engine", "hang", "trainer", "driver"} == {f["kind"] for f in faults}
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", ["steps=30", *chaos_overrides(faults, 0)])
-    kinds = {"engine": cfg.chaos.kill_engines, "trainer": cfg.chaos.kill_trainer_ranks}
+    kinds = {"engine": cfg.chaos.kill_engines, "hang": cfg.chaos.stop_engines, "trainer": cfg.chaos.kill_trainer_ranks}
+    for kind, entries in kinds.items():
+        assert sorted(entries) == sorted(f"{f['index']}@{f['step']}:{f['phase']}" for f in faults if f["kind"] == kind)
     assert sum(len(v) for v in kinds.values()) == sum(f["kind"] != "driver" for f in faults)
     later = chaos_overrides(faults, 20)
     assert all(int(e.split("@")[1].split(":")[0]) > 20 for o in later for e in o.split("=[")[1].rstrip("]").split(","))
