@@ -26,12 +26,12 @@ PROBE_GROUP = "probe"  # the concurrency group of liveness probes: answered whil
 
 
 class RoleHandle:
-    """An actor plus the role and rank it plays, for error messages. `probed`: the actor answers liveness
-    probes (its `pid`) on a thread of their own (`spawn(probe=True)`), so a process that answers none while
-    a call runs is hung, not busy."""
+    """An actor plus the role and rank it plays, for error messages. `probe_s` > 0: the actor answers liveness
+    probes (its `pid`) on a thread of their own (`spawn(probe_s=...)`), so a process that answers none for
+    `probe_s` seconds while a call runs is hung, not busy."""
 
-    def __init__(self, actor, role: str, rank: int, probed: bool = False):
-        self.actor, self.role, self.rank, self.probed = actor, role, rank, probed
+    def __init__(self, actor, role: str, rank: int, probe_s: float = 0.0):
+        self.actor, self.role, self.rank, self.probe_s = actor, role, rank, probe_s
 
     def kill(self) -> None:
         import ray
@@ -44,7 +44,7 @@ class RoleHandle:
         return (m if _num_returns == 1 else m.options(num_returns=_num_returns)).remote(*args, **kwargs)
 
     def probe(self):
-        """A liveness probe's reference (its answer: the pid), on the probe thread (`probed` actors only)."""
+        """A liveness probe's reference (its answer: the pid), on the probe thread (probed actors only)."""
         return self.actor.pid.options(concurrency_group=PROBE_GROUP).remote()
 
     def call(self, method: str, *args, timeout_s: float = 300.0, **kwargs) -> Any:
@@ -76,25 +76,26 @@ class RoleHandle:
 
 
 def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
-             on_submit: Callable[[], None] | None = None, probe_s: float = 0.0) -> list[Any]:
+             on_submit: Callable[[], None] | None = None, probe: bool = False) -> list[Any]:
     """Start every (handle, method, args, kwargs) call at once, then wait for all under one deadline:
     collective methods (every rank of a group must enter them) never wait on a rank not yet called.
     Results are read as they complete, so the first rank that fails raises RoleError (naming its role
     and rank) at once, not after its peers, stuck in a collective with it, time out. `on_submit` runs
-    once every call is out (fault injection). `probe_s` > 0: every `probe_s` seconds each `probed` actor
-    with a call still running is probed, and one that has not answered the previous probe (sent `probe_s`
-    earlier) fails its call at once as hung (RoleError.hung), long before the deadline."""
-    return _gather(calls, timeout_s, on_submit, first_error=True, probe_s=probe_s)
+    once every call is out (fault injection). `probe`: each probed actor (`RoleHandle.probe_s`) with a call
+    still running is probed every `probe_s` seconds, and one that has not answered the previous probe fails
+    its call at once as hung (RoleError.hung), long before the deadline. Only calls to actors already up:
+    an actor still in its constructor answers no probe."""
+    return _gather(calls, timeout_s, on_submit, first_error=True, probe=probe)
 
 
 def call_each(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
-              on_submit: Callable[[], None] | None = None, probe_s: float = 0.0) -> list[Any]:
+              on_submit: Callable[[], None] | None = None, probe: bool = False) -> list[Any]:
     """As `call_all`, but every call is waited for: each result, or the RoleError its call ended in (the
     caller decides what a failed call means; independent calls, never collective ones)."""
-    return _gather(calls, timeout_s, on_submit, first_error=False, probe_s=probe_s)
+    return _gather(calls, timeout_s, on_submit, first_error=False, probe=probe)
 
 
-def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe_s: float = 0.0) -> list[Any]:
+def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe: bool = False) -> list[Any]:
     import math
     import time
 
@@ -108,17 +109,18 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe_s: floa
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
-    probes: dict = {}  # a running call's reference -> the probe of its actor sent at the last tick
-    tick = time.monotonic() + probe_s if probe_s > 0 else math.inf
+    probes: dict = {}  # a running call's reference -> (the last probe of its actor, when it was sent)
+    every = min([h.probe_s for h, *_ in calls if h.probe_s > 0] or [math.inf]) if probe else math.inf
+    tick = time.monotonic() + every
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(min(deadline, tick) - time.monotonic(), 0.0))
         if not ready and time.monotonic() < deadline:  # a probe tick
-            tick = time.monotonic() + probe_s
+            tick = time.monotonic() + every
             for ref in _unanswered_probes(pending, probes, [calls[index[r]][0] for r in pending]):
                 pending.remove(ref)
                 h, m = calls[index[ref]][:2]
-                error = RoleError(h.role, h.rank, m, f"hung: its process answered no liveness probe in {probe_s:.0f} s",
-                                  hung=True)
+                error = RoleError(h.role, h.rank, m, f"hung: its process answered no liveness probe in "
+                                  f"{h.probe_s:.0f} s", hung=True)
                 if first_error:
                     error.pending = pending
                     raise error
@@ -153,19 +155,24 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe_s: floa
 
 
 def _unanswered_probes(pending: list, probes: dict, handles: list[RoleHandle]) -> list:
-    """The running calls whose actor has not answered the probe sent at the previous tick; a new probe to every
-    other `probed` actor. A probe that fails (the actor died) counts as answered: the call itself reports it."""
+    """The running calls whose actor has left a probe unanswered for its `probe_s`; a new probe to every other
+    probed actor whose last one was answered. A probe that fails (the actor died) counts as answered: the call
+    itself reports it."""
+    import time
+
     import ray
 
-    stuck = []
+    stuck, now = [], time.monotonic()
     for ref, h in zip(pending, handles):
-        if not h.probed:
+        if h.probe_s <= 0:
             continue
-        last = probes.get(ref)
-        if last is not None and not ray.wait([last], timeout=0)[0]:
+        last, sent = probes.get(ref, (None, now))
+        if last is not None and ray.wait([last], timeout=0)[0]:
+            last = None
+        if last is None:
+            probes[ref] = (h.probe(), now)
+        elif now - sent >= h.probe_s * 0.999:
             stuck.append(ref)
-        else:
-            probes[ref] = h.probe()
     return stuck
 
 
@@ -187,10 +194,11 @@ def settle(refs, timeout_s: float) -> None:
 
 def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,
           placement_group=None, bundle_index: int | None = None, name_prefix: str = "", max_concurrency: int = 1,
-          probe: bool = False, **kwargs) -> RoleHandle:
+          probe_s: float = 0.0, **kwargs) -> RoleHandle:
     """Start `cls(*args, **kwargs)` as a Ray actor (in a placement-group bundle when given). `max_concurrency`
-    > 1: calls run on that many threads (the class synchronises them itself). `probe`: liveness probes (its
-    `pid` method) are answered on a thread of their own, beside the running call (`RoleHandle.probe`)."""
+    > 1: calls run on that many threads (the class synchronises them itself). `probe_s` > 0: liveness probes
+    (its `pid` method) are answered on a thread of their own, beside the running call (`RoleHandle.probe`),
+    and one unanswered for `probe_s` seconds means the actor hangs."""
     import ray
 
     options: dict = {"num_cpus": num_cpus, "name": f"{name_prefix}{role}-{rank}", "max_restarts": 0}
@@ -205,9 +213,9 @@ def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index)
-    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(cls) if probe else ray.remote(cls)
+    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(cls) if probe_s > 0 else ray.remote(cls)
     actor = remote_cls.options(**options).remote(*args, **kwargs)
-    return RoleHandle(actor, role, rank, probed=probe)
+    return RoleHandle(actor, role, rank, probe_s=probe_s)
 
 
 def node_address() -> tuple[str, int]:

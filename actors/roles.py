@@ -44,7 +44,6 @@ class Roles:
     policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
     engine_pids: list = field(default_factory=list)  # each engine actor's process (chaos.stop_engines)
     hang_timeout_s: float = 0.0  # a generate call not answered within it: the engine hangs (0: timeout_s)
-    probe_s: float = 0.0  # an engine answering no liveness probe for this long during a call hangs (0: off)
     version: int = 0  # the weights every engine serves (the last sync's)
     # set by the driver: replaces dead engines (indices, what failed, the handles that died) and installs
     # `version` in them; None: a death raises
@@ -79,10 +78,12 @@ class Roles:
 
         def start_policy(stale_pids: Sequence[int] = ()) -> tuple[list[RoleHandle], list[RoleHandle]]:
             """Trainer and reference ranks on their slots; `stale_pids`: the processes they replace."""
+            probe_s = cfg.trainer.liveness_probe_s
             trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
-                             stale_pids=tuple(stale_pids), **slot("trainer", r)) for r in range(W)]
+                             stale_pids=tuple(stale_pids), probe_s=probe_s, **slot("trainer", r)) for r in range(W)]
             reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
-                               **slot("reference", r)) for r in range(W)] if "reference" in dm.role_names else []
+                               probe_s=probe_s, **slot("reference", r)) for r in range(W)] \
+                if "reference" in dm.role_names else []
             return trainer, reference
 
         trainer, reference = start_policy()
@@ -96,7 +97,8 @@ class Roles:
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
                          interruptible=partial, capture_routes=cfg.captures_routes, stale_shm=tuple(stale_shm),
-                         max_concurrency=3 if partial else 1, probe=True, **slot("rollout", k * rpe))
+                         max_concurrency=3 if partial else 1, probe_s=cfg.rollout.liveness_probe_s,
+                         **slot("rollout", k * rpe))
 
         engines = [start_engine(k) for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
@@ -115,7 +117,7 @@ class Roles:
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
-        roles.hang_timeout_s, roles.probe_s = cfg.rollout.hang_timeout_s, cfg.rollout.liveness_probe_s
+        roles.hang_timeout_s = cfg.rollout.hang_timeout_s
         roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
@@ -165,6 +167,18 @@ class Roles:
                 return group[gone[0]]
         return None
 
+    def silent_policy_rank(self) -> Optional[RoleHandle]:
+        """A trainer or reference rank whose process answers no liveness probe within its `probe_s` (a probe
+        is answered on a thread of its own, however busy the rank), if one does: the rank that hangs."""
+        import ray
+
+        ranks = [h for h in self.trainer + self.reference if h.probe_s > 0]
+        if not ranks:
+            return None
+        refs = [h.probe() for h in ranks]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(h.probe_s for h in ranks))
+        return next((h for h, ref in zip(ranks, refs) if ref not in ready), None)
+
     def replace_engines(self, dead: Sequence[int]) -> None:
         """New engines on the dead ones' placement slots (each removes the shared memory its predecessor's
         workers left), then the weight-sync group re-formed with every member. The new engines serve no
@@ -187,7 +201,7 @@ class Roles:
         """`method` on every rank at once; `per_rank`: keyword arguments of each rank's own."""
         extra = per_rank or [{}] * len(group)
         return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s,
-                        on_submit=lambda: self.inject(method))
+                        on_submit=lambda: self.inject(method), probe=True)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate",
                  route_stages: Sequence[Sequence[int]] | None = None, **kwargs) -> list:
@@ -198,7 +212,7 @@ class Roles:
         and never fetched here; without it the engines drop the call's routes.
 
         An engine that dies meanwhile, or hangs (no answer within `hang_timeout_s`, or its process silent to
-        liveness probes for `probe_s`), is handed to
+        liveness probes for its `probe_s`), is handed to
         `self.recover` (which kills and replaces it and installs the weights the others serve) and its share
         generated again there, with the same seeds: the call returns what it would have without the fault.
         Without `recover` the failure raises RoleError."""
@@ -218,7 +232,7 @@ class Roles:
         while todo:
             calls_made = {e: self.engines[e] for e in todo}  # the handles called (another thread may replace one)
             results = call_each([call(e) for e in todo], self.hang_timeout_s or self.timeout_s,
-                                on_submit=lambda: self.inject(phase), probe_s=self.probe_s)
+                                on_submit=lambda: self.inject(phase), probe=True)
             dead = [e for e, r in zip(todo, results) if isinstance(r, RoleError) and (r.died or r.hung)]
             for e, r in zip(todo, results):
                 if isinstance(r, BaseException) and (e not in dead or self.recover is None):
@@ -264,11 +278,11 @@ class Roles:
 
     def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
-        memory). An engine whose process answers no liveness probe for `probe_s` fails the sync at once
+        memory). A rank whose process answers no liveness probe for its `probe_s` fails the sync at once
         (RoleError.hung) instead of after the group's timeout."""
         calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
         calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
-        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"), probe_s=self.probe_s)
+        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"), probe=True)
         self.version = version
         return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
 

@@ -135,7 +135,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["engine", "trainer", "driver"], choices=["engine", "hang", "trainer", "driver"])
+    ap.add_argument("--kinds", nargs="+", default=["engine", "trainer", "driver"],
+                    choices=["engine", "hang", "trainer", "driver"])
     a = ap.parse_args()
 
     sys.path.insert(0, str(REPO))

@@ -264,6 +264,11 @@ class TrainerConfig:
     # complete checkpoint restored and the steps since it redone (docs/faults.md), at most this many times
     # in a run; 0, or no checkpoint to restore, stops the run with a message naming the rank.
     max_restarts: int = 2
+    # During every call to the trainer and reference ranks (update, logprobs, weight sync), each is probed
+    # this often on a thread of its own: one that has not answered the previous probe hangs (a stopped
+    # process, a wedged interpreter) and is handled as a dead one (every rank restarted from the last
+    # checkpoint), without waiting for trainer.collective_timeout_s. 0: no probes.
+    liveness_probe_s: float = 10.0
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr / warmup to lr
     lr_decay_steps: int = 0  # optimizer steps of cosine decay after the warmup, to lr * lr_min_ratio (0: constant)
@@ -395,6 +400,9 @@ class ChaosConfig:
     # Trainer ranks the driver kills: "RANK@STEP" or "RANK@STEP:PHASE", PHASE one of update (the default:
     # during the step's policy update), logprobs (the old-logprob pass) or sync (while it sends weights).
     kill_trainer_ranks: tuple[str, ...] = ()
+    # Trainer ranks the driver stops (SIGSTOP, as stop_engines): "RANK@STEP" or "RANK@STEP:PHASE", PHASE as
+    # for kill_trainer_ranks. Found hung by trainer.liveness_probe_s, then handled as a dead rank.
+    stop_trainer_ranks: tuple[str, ...] = ()
     # Rollout engines the driver stops (SIGSTOP to the actor's process: alive, never answering; runs on this
     # machine only): "ENGINE@STEP" or "ENGINE@STEP:PHASE", PHASE generate (default), sync or evaluate. The
     # engine is found hung by its liveness probes (rollout.liveness_probe_s; without them after

@@ -99,6 +99,9 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         bad = "max_restarts" if r.max_restarts < 0 else "restart_window_steps"
         p.append(Problem(f"rollout.{bad}", getattr(r, bad), "must be >= 0 (0: a dead engine stops the run)"
                          if bad == "max_restarts" else "must be >= 1"))
+    if cfg.trainer.liveness_probe_s < 0:
+        p.append(Problem("trainer.liveness_probe_s", cfg.trainer.liveness_probe_s,
+                         "must be >= 0 (0: trainer and reference ranks are not probed)"))
     if r.liveness_probe_s < 0:
         p.append(Problem("rollout.liveness_probe_s", r.liveness_probe_s, "must be >= 0 (0: engines are not probed)"))
     if r.hang_timeout_s < 0:
@@ -283,7 +286,8 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
     world = cfg.trainer.pp * cfg.trainer.dp * cfg.trainer.tp
     for key, parse, count, what in (("kill_engines", engine_kills, cfg.rollout.num_engines, "engines"),
                                     ("stop_engines", engine_stops, cfg.rollout.num_engines, "engines"),
-                                    ("kill_trainer_ranks", trainer_kills, world, "trainer ranks")):
+                                    ("kill_trainer_ranks", trainer_kills, world, "trainer ranks"),
+                                    ("stop_trainer_ranks", trainer_kills, world, "trainer ranks")):
         entries = getattr(c, key)
         try:
             kills = parse(entries)

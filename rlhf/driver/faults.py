@@ -130,9 +130,15 @@ class Recovery:
         for kill in [k for k in self.kills if k[0] == at and k[3] == phase]:
             self.kills.remove(kill)
             step, role, index, _ = kill
-            if role == "stop rollout":  # alive and never answering: found by rollout.hang_timeout_s
+            if role == "stop rollout":  # alive and never answering: found by its liveness probes
                 self.log(f"step {step}: chaos: stopping rollout rank {index} during {phase} (SIGSTOP)")
-                os.kill(_engine_process(self.roles.engine_pids[index], index), signal.SIGSTOP)
+                os.kill(_actor_process(self.roles.engine_pids[index], "VLLMEngine", f"rollout engine {index}"),
+                        signal.SIGSTOP)
+                continue
+            if role == "stop trainer":
+                self.log(f"step {step}: chaos: stopping trainer rank {index} during {phase} (SIGSTOP)")
+                os.kill(_actor_process(self.roles.policy_pids[index], "TrainerWorker", f"trainer rank {index}"),
+                        signal.SIGSTOP)
                 continue
             self.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
             (self.roles.engines if role == "rollout" else self.roles.trainer)[index].kill()
@@ -166,15 +172,21 @@ class Recovery:
                  f"{failed_step - 1} are redone")
 
     def dead_policy_rank(self, e: RoleError) -> RoleError | None:
-        """The death of a trainer or reference rank behind `e`, as a RoleError naming that rank: `e` itself,
-        or (when a peer's failure came first: a closed connection, a stuck receive) the dead rank a probe
-        finds. None: no policy rank died."""
+        """The death or hang of a trainer or reference rank behind `e`, as a RoleError naming that rank: `e`
+        itself, or (when a peer's failure came first: a closed connection, a collective timing out) the dead
+        rank a probe finds, else the rank silent to its liveness probes. None: every policy rank is alive and
+        answers (a failure a restart would not mend: the run stops)."""
         if policy_died(e):
             return e
         settle(e.pending, 2.0)
         h = self.roles.dead_policy_rank()
-        return None if h is None else RoleError(h.role, h.rank, e.method, f"failed: the actor died (seen as: {e})",
-                                                died=True)
+        if h is not None:
+            return RoleError(h.role, h.rank, e.method, f"failed: the actor died (seen as: {e})", died=True)
+        if e.hung and e.role in ("trainer", "reference"):
+            return e
+        h = self.roles.silent_policy_rank()
+        return None if h is None else RoleError(h.role, h.rank, e.method, "hung: its process answered no liveness "
+                                                f"probe in {h.probe_s:.0f} s (seen as: {e})", hung=True)
 
     def _policy_log(self, e: RoleError) -> list[str]:
         """The last lines the dead rank's process wrote (Ray keeps them on its node: local runs only)."""
@@ -194,6 +206,7 @@ class Recovery:
 
 
 def policy_died(e: BaseException) -> bool:
+    """A trainer or reference rank's process is gone (as opposed to: it raised, or hangs)."""
     return isinstance(e, RoleError) and e.died and e.role in ("trainer", "reference")
 
 
@@ -207,7 +220,8 @@ def policy_restart_refusal(e: RoleError, ckpt: Path | None, restarts: int, cfg: 
     tail = "".join(f"\n    {line}" for line in last_lines)
     resume = (f"rlhf train RUN.yaml checkpoint.dir={cfg.checkpoint.dir} checkpoint.resume=auto" if ckpt is not None
               else "rlhf train RUN.yaml (from the start: nothing was saved)")
-    return (f"{e.role} rank {e.rank} died at {e.method} ({e}); {why}: stopping. Its last log lines:"
+    return (f"{e.role} rank {e.rank} {'hung' if e.hung else 'died'} at {e.method} ({e}); {why}: stopping. Its last "
+            "log lines:"
             f"{tail or ' (none found under /tmp/ray/session_latest/logs)'}\n  resume with: {resume}")
 
 
@@ -223,14 +237,14 @@ def restart_refusal(restarts: list[int], step: int, dead: list[int], why: str, r
             f"checkpoint with checkpoint.resume=auto")
 
 
-def _engine_process(pid: int, index: int) -> int:
-    """`pid` if it is engine `index`'s actor process on this machine; chaos.stop_engines signals it from here,
-    so an engine on another node (whose pid means nothing here) is refused, never some local process."""
+def _actor_process(pid: int, cls: str, what: str) -> int:
+    """`pid` if it is the process of an actor of class `cls` on this machine; chaos.stop_* signals it from here,
+    so an actor on another node (whose pid means nothing here) is refused, never some local process."""
     try:
         title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         title = ""
-    if "VLLMEngine" not in title:
-        raise ValueError(f"chaos.stop_engines: rollout engine {index} (pid {pid}) is not a process on the driver's "
-                         "machine; stop engines only in runs whose engines share the driver's machine")
+    if cls not in title:
+        raise ValueError(f"chaos: {what} (pid {pid}) is not a process on the driver's machine; stop processes "
+                         "only in runs whose actors share the driver's machine")
     return pid

@@ -169,7 +169,8 @@ class Run(Recovery):
             run.roles.inject = run._inject
             run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]
                          + [(s, "stop rollout", k, ph) for s, k, ph in engine_stops(cfg.chaos.stop_engines)]
-                         + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)])
+                         + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)]
+                         + [(s, "stop trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.stop_trainer_ranks)])
             run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
             run.ray_nodes = run.roles.ray_nodes()
             if inputs.resume_dir is not None:

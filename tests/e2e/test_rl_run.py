@@ -143,7 +143,9 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
     liveness probes within seconds (not the generation's or the sync group's timeout): each is replaced on its
     slot, the weight-sync group re-formed, the weights installed and checksummed, and the
     interrupted work redone with the same seeds. Then trainer rank 1 killed mid-update (step 10): every trainer
-    and reference rank restarts, the step-8 checkpoint is restored and steps 9 and 10 are redone. Every step
+    and reference rank restarts, the step-8 checkpoint is restored and step 9 is redone; then trainer rank 0
+    hung (stopped) in step 12's old-logprob pass, found by its probes: restarted the same way, steps 9-11
+    redone. Every step
     trains on the same prompts and samples as the uninterrupted run of the same seed (`short_run`): every metric
     equal, timings aside. Nothing is left behind."""
     import os
@@ -154,15 +156,16 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
         "rollout.capture_routes=true", "chaos.kill_engines=[1@3,0@5:sync,1@8:evaluate]", "chaos.stop_engines=[0@6,1@7:sync]",
-        "rollout.liveness_probe_s=5", "rollout.max_restarts=5", "chaos.kill_trainer_ranks=[1@10]"))
+        "rollout.liveness_probe_s=5", "rollout.max_restarts=5", "chaos.kill_trainer_ranks=[1@10]",
+        "chaos.stop_trainer_ranks=[0@12:logprobs]", "trainer.liveness_probe_s=5"))
     said = []
     result = train(cfg, log=said.append)
     assert result["steps_run"] == STEPS and result["engine_restarts"] == 5
-    assert result["trainer_restarts"] == 1 and result["steps_redone"] == 1  # step 9 done twice; 10 failed once
+    assert result["trainer_restarts"] == 2 and result["steps_redone"] == 4  # 9 after 10's failure; 9-11 after 12's
     assert result["heldout_accuracy_history"] == first["heldout_accuracy_history"]
     want = {m["step"]: m for m in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [*range(1, 10), *range(9, STEPS + 1)]  # step 9 redone: the later line counts
+    assert [m["step"] for m in lines] == [*range(1, 10), *range(9, 12), *range(9, STEPS + 1)]  # the last line counts
     got = {m["step"]: m for m in lines}
     timing = ("time/", "throughput/", "sync/seconds", "sync/gb_per_s", "sync/floor", "sync/link", "onload/", "offload/",
               "faults/")
@@ -173,7 +176,9 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
     hung = [line for line in said if "liveness probe" in line]
     assert any("step 6: rollout engine(s) [0] failed" in line for line in hung), hung
     assert any("step 7: rollout engine(s) [1] failed (rollout rank 1: receive_weights hung" in line for line in hung), hung
-    assert [(got[s]["faults/trainer_restarts"], got[s]["faults/steps_redone"]) for s in (8, 9, 16)] == [(0, 0), (1, 1), (1, 1)]
+    assert [(got[s]["faults/trainer_restarts"], got[s]["faults/steps_redone"]) for s in (8, 9, 16)] == [(0, 0), (2, 4), (2, 4)]
+    assert any(line.startswith("step 12: trainer rank 0: ") and "hung: its process answered no liveness probe" in line
+               for line in said), [line for line in said if "step 12" in line]
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 

@@ -98,7 +98,7 @@ def test_a_failing_rank_is_reported_at_once_while_its_peer_waits(ray_session):
 
 
 def test_a_stopped_actor_is_found_hung_by_its_probes_and_a_busy_one_is_not(ray_session):
-    """Liveness probes (`spawn(probe=True)`): an actor busy in a long call answers them on their own thread,
+    """Liveness probes (`spawn(probe_s=...)`): an actor busy in a long call answers them on their own thread,
     so its call runs to the end; one whose process is stopped (SIGSTOP: alive, never answering) fails its call
     as hung within two probe intervals, long before the call's deadline. Without probes it waits the deadline."""
     import os
@@ -117,19 +117,21 @@ def test_a_stopped_actor_is_found_hung_by_its_probes_and_a_busy_one_is_not(ray_s
             time.sleep(s)
             return s
 
-    a, b = (spawn(Busy, "rollout", k, num_cpus=0, probe=True) for k in range(2))
-    assert a.probed and call_all([(a, "work", (4,), {}), (b, "work", (1,), {})], timeout_s=60, probe_s=1) == [4, 1]
+    a, b = (spawn(Busy, "rollout", k, num_cpus=0, probe_s=1) for k in range(2))
+    assert call_all([(a, "work", (4,), {}), (b, "work", (1,), {})], timeout_s=60, probe=True) == [4, 1]
     pid = a.call("pid")
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         with pytest.raises(RoleError, match="rollout rank 0: work hung: its process answered no liveness probe in 1 s") as e:
-            call_all([(b, "work", (3,), {}), (a, "work", (1,), {})], timeout_s=120, probe_s=1)
+            call_all([(b, "work", (3,), {}), (a, "work", (1,), {})], timeout_s=120, probe=True)
         assert e.value.hung and not e.value.died and time.monotonic() - t0 < 10
         assert len(e.value.pending) == 1  # b's call, still running: the caller settles it
         t0 = time.monotonic()  # call_each: the hung call's error in its place, the others' results kept
-        got = call_each([(a, "work", (1,), {}), (b, "work", (5,), {})], timeout_s=120, probe_s=1)
+        got = call_each([(a, "work", (1,), {}), (b, "work", (5,), {})], timeout_s=120, probe=True)
         assert isinstance(got[0], RoleError) and got[0].hung and got[1] == 5 and time.monotonic() - t0 < 15
+        with pytest.raises(RoleError, match="rollout rank 0: work did not answer within 3 s"):  # no probes: the deadline
+            call_all([(a, "work", (1,), {})], timeout_s=3)
     finally:
         a.kill()
         b.kill()

@@ -59,6 +59,9 @@ def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_g
     (["rollout.hang_timeout_s=-1"], "rollout.hang_timeout_s = -1"),
     (["chaos.stop_engines=[1@3:update]"], "none of generate, sync, evaluate"),
     (["rollout.liveness_probe_s=-1"], "rollout.liveness_probe_s = -1"),
+    (["trainer.liveness_probe_s=-1"], "trainer.liveness_probe_s = -1"),
+    (["chaos.stop_trainer_ranks=[2@3]"], "trainer ranks are 0..1"),
+    (["chaos.stop_trainer_ranks=[1@3:evaluate]"], "none of update, logprobs, sync"),
     (["chaos.stop_engines=[5@3]"], "engines are 0..1"),
 ])
 def test_bad_fault_settings_are_refused_before_any_actor_starts(overrides, key):
@@ -71,8 +74,8 @@ def test_chaos_stop_signals_only_an_engine_process_on_this_machine():
     another node, whose pid means nothing here) is refused before any signal, never some other process."""
     import os
 
-    from rlhf.driver.faults import _engine_process
+    from rlhf.driver.faults import _actor_process
 
     for pid in (os.getpid(), 2 ** 22 + 1):  # this test's own process; a pid no process has
         with pytest.raises(ValueError, match="not a process on the driver's machine"):
-            _engine_process(pid, 1)
+            _actor_process(pid, "VLLMEngine", "rollout engine 1")
