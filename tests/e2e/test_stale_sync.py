@@ -83,19 +83,21 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
 
 def test_a_dead_engine_is_replaced_under_stalesync_and_every_group_is_trained_once(tiny, ray_session, tmp_path):
     """The only engine killed while the producer generates batch 3 ahead of the trainer (partial rollouts on),
-    then again during step 4's weight sync: the driver's main thread replaces it where the trainer is idle,
-    the producer makes its batch again on the new engine, and every group is made and trained on once, in
-    order, within the bound."""
+    then again during step 4's weight sync, then hung (stopped) during step 5's weight sync while the producer
+    generates on it too: the driver's main thread replaces it where the trainer is idle (the hung one found by
+    its liveness probes), the producer makes its batch again on the new engine, and every group is made and
+    trained on once, in order, within the bound."""
     d, _ = tiny
     out = tmp_path / "run"
-    result = train(_cfg(d, out, "steps=5", "eval_every=100", "stale_sync.max_staleness=1",
-                        "stale_sync.partial_rollout=true", "chaos.kill_engines=[0@3,0@4:sync]"))
+    result = train(_cfg(d, out, "steps=6", "eval_every=100", "stale_sync.max_staleness=1",
+                        "stale_sync.partial_rollout=true", "chaos.kill_engines=[0@3,0@4:sync]",
+                        "chaos.stop_engines=[0@5:sync]", "rollout.liveness_probe_s=5"))
     P = 32
     steps = _steps(out)
-    assert result["steps_run"] == 5 and result["engine_restarts"] == 2
+    assert result["steps_run"] == 6 and result["engine_restarts"] == 3
     assert result["staleness_max"] <= 1 and result["samples_dropped"] == 0
-    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(5)]
-    assert steps[-1]["faults/engine_restarts"] == 2 and result["parity_violations"] == 0
+    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(6)]
+    assert steps[-1]["faults/engine_restarts"] == 3 and result["parity_violations"] == 0
 
 
 def test_a_dead_producer_is_reported_with_its_role_and_rank(tiny, ray_session, tmp_path):
