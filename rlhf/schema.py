@@ -434,23 +434,19 @@ class RunConfig:
         return self.rollout.capture_routes or self.trainer.routing_replay is RoutingReplay.rollout
 
 
-KILL_PHASES = ("generate", "sync", "evaluate")
-STOP_PHASES = ("generate", "sync", "evaluate")
+KILL_PHASES = ("generate", "sync", "evaluate")  # an engine killed or stopped: chaos.kill_engines, chaos.stop_engines
 TRAINER_KILL_PHASES = ("update", "logprobs", "sync")
 
 
 def engine_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """`chaos.kill_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
+    """`chaos.kill_engines` (or `stop_engines`) as (step, engine, phase); ValueError naming the entry that is
+    not one."""
     return _kills(entries, "ENGINE", KILL_PHASES)
 
 
-def engine_stops(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """`chaos.stop_engines` as (step, engine, phase); ValueError naming the entry that is not one."""
-    return _kills(entries, "ENGINE", STOP_PHASES)
-
-
 def trainer_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """`chaos.kill_trainer_ranks` as (step, rank, phase); ValueError naming the entry that is not one."""
+    """`chaos.kill_trainer_ranks` (or `stop_trainer_ranks`) as (step, rank, phase); ValueError naming the entry
+    that is not one."""
     return _kills(entries, "RANK", TRAINER_KILL_PHASES)
 
 

@@ -12,7 +12,7 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills, engine_stops,
+                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills,
                          trainer_kills)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
@@ -99,11 +99,11 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         bad = "max_restarts" if r.max_restarts < 0 else "restart_window_steps"
         p.append(Problem(f"rollout.{bad}", getattr(r, bad), "must be >= 0 (0: a dead engine stops the run)"
                          if bad == "max_restarts" else "must be >= 1"))
-    if cfg.trainer.liveness_probe_s < 0:
-        p.append(Problem("trainer.liveness_probe_s", cfg.trainer.liveness_probe_s,
-                         "must be >= 0 (0: trainer and reference ranks are not probed)"))
-    if r.liveness_probe_s < 0:
-        p.append(Problem("rollout.liveness_probe_s", r.liveness_probe_s, "must be >= 0 (0: engines are not probed)"))
+    for key, probe_s in (("trainer.liveness_probe_s", cfg.trainer.liveness_probe_s),
+                         ("rollout.liveness_probe_s", r.liveness_probe_s)):
+        if probe_s < 0 or 0 < probe_s < 1:  # a loaded machine can delay a healthy process's answer by a second
+            p.append(Problem(key, probe_s, "must be 0 (no probes) or at least 1 s: a healthy process busy on a "
+                             "loaded machine may take close to a second to answer"))
     if r.hang_timeout_s < 0:
         p.append(Problem("rollout.hang_timeout_s", r.hang_timeout_s, "must be >= 0 (0: trainer.collective_timeout_s "
                          "+ 60)"))
@@ -285,7 +285,7 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
     c, p = cfg.chaos, []
     world = cfg.trainer.pp * cfg.trainer.dp * cfg.trainer.tp
     for key, parse, count, what in (("kill_engines", engine_kills, cfg.rollout.num_engines, "engines"),
-                                    ("stop_engines", engine_stops, cfg.rollout.num_engines, "engines"),
+                                    ("stop_engines", engine_kills, cfg.rollout.num_engines, "engines"),
                                     ("kill_trainer_ranks", trainer_kills, world, "trainer ranks"),
                                     ("stop_trainer_ranks", trainer_kills, world, "trainer ranks")):
         entries = getattr(c, key)

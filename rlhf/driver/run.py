@@ -36,7 +36,7 @@ from rlhf.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RunConfig, engine_kills, engine_stops, trainer_kills
+from rlhf.schema import DeviceType, RunConfig, engine_kills, trainer_kills
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -168,7 +168,7 @@ class Run(Recovery):
             run.roles.recover = run.recover_engines
             run.roles.inject = run._inject
             run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]
-                         + [(s, "stop rollout", k, ph) for s, k, ph in engine_stops(cfg.chaos.stop_engines)]
+                         + [(s, "stop rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.stop_engines)]
                          + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)]
                          + [(s, "stop trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.stop_trainer_ranks)])
             run.link_bytes_per_s = run.roles.link_probe(inputs.sync)

@@ -60,6 +60,7 @@ def test_a_dead_trainer_rank_restarts_from_a_checkpoint_or_stops_saying_how_to_g
     (["chaos.stop_engines=[1@3:update]"], "none of generate, sync, evaluate"),
     (["rollout.liveness_probe_s=-1"], "rollout.liveness_probe_s = -1"),
     (["trainer.liveness_probe_s=-1"], "trainer.liveness_probe_s = -1"),
+    (["rollout.liveness_probe_s=0.2"], "at least 1 s"),
     (["chaos.stop_trainer_ranks=[2@3]"], "trainer ranks are 0..1"),
     (["chaos.stop_trainer_ranks=[1@3:evaluate]"], "none of update, logprobs, sync"),
     (["chaos.stop_engines=[5@3]"], "engines are 0..1"),
