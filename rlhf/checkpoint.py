@@ -100,6 +100,8 @@ def _rank_meta(trainer, state: dict[str, torch.Tensor]) -> dict:
                                             "offset": list(p.offset)})
     return {"format": FORMAT, "rank": trainer.rank, "layout": _layout_meta(trainer),
             "coords": {"pp": c.pp, "dp": c.dp, "tp": c.tp, "ep_index": trainer.layout.ep_index(trainer.rank)},
+            # where expert-load balancing has placed each MoE layer's experts (the tensors' pieces follow it)
+            "expert_maps": [list(m) for m in trainer.expert_maps],
             "tensors": tensors}
 
 
@@ -149,6 +151,9 @@ def load_rank(ckpt_dir: str | Path, rank: int, trainer) -> None:
             f"{running['stage_layers']}); they differ in {diff}. Resume with the saved layout, or export the "
             f"checkpoint (rlhf.checkpoint.export_hf) and start the new layout from that HF directory "
             f"(optimizer state is not carried over)")
+    maps = meta.get("expert_maps") or [trainer.expert_map] * trainer.moe_layers  # saved before balancing existed
+    if tuple(map(tuple, maps)) != tuple(trainer.expert_maps):
+        trainer.migrate_experts(maps, move_state=False)  # the saved placement: the state below fills it
     st_path, _ = _rank_paths(d, rank)
     trainer.load_state_dict(load_file(str(st_path)), source=f"{st_path} (layout {saved['layout']}, rank {rank})")
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
+from typing import Callable, Sequence
 
 from rlhf.schema import ModelConfig
-from rlhf.layout import Layout, default_expert_map
+from rlhf.layout import Layout, check_expert_map, default_expert_map
 from rlhf.model.shapes import param_shapes
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
@@ -139,8 +139,9 @@ def _stage_tables(cfg: ModelConfig, stages: Sequence[range]):
     return dense, experts
 
 
-def _rank_buffers_and_pieces(cfg, dense, expert_prefixes, t: int, tp: int, local_experts: Sequence[int]):
-    """Local buffers (our parameter names, which equal HF names but for stacked experts) and pieces."""
+def _rank_buffers_and_pieces(cfg, dense, expert_prefixes, t: int, tp: int, local_of: Callable[[str], Sequence[int]]):
+    """Local buffers (our parameter names, which equal HF names but for stacked experts) and pieces;
+    `local_of(prefix)`: the global expert ids this rank holds in that layer, in stacking order."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     buffers: dict[str, Shape] = {}
     pieces: list[Piece] = []
@@ -150,6 +151,7 @@ def _rank_buffers_and_pieces(cfg, dense, expert_prefixes, t: int, tp: int, local
         pieces.append(Piece(name, box, name, (0,) * len(shape)))
     rows, cols = Box((0, 0), (I, H)), Box((0, 0), (H, I))
     for prefix in expert_prefixes:
+        local_experts = local_of(prefix)
         gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         buffers[gate_up] = (len(local_experts), 2 * I, H)  # [gate; up] per local expert
         buffers[down] = (len(local_experts), H, I)
@@ -230,11 +232,47 @@ def _expert_map(cfg: ModelConfig, layout: Layout, expert_map: Sequence[int] | No
     return tuple(expert_map) if expert_map is not None else default_expert_map(cfg.num_experts, layout.expert_shards)
 
 
+def layer_expert_maps(cfg: ModelConfig, layout: Layout, expert_map: Sequence[int] | None = None,
+                      expert_maps: Sequence[Sequence[int]] | None = None) -> dict[str, tuple[int, ...]]:
+    """Expert-layer prefix (`model.layers.<i>.mlp.experts`) -> its expert -> EP shard map. `expert_maps`: one
+    map per MoE layer of the decoder (index i - first_k_dense_layers, the order of the trainer's expert loads),
+    as expert-load balancing migrates them; `expert_map` (default: contiguous) for the layers it omits and for
+    the MTP modules, which never run and never move."""
+    base = _expert_map(cfg, layout, expert_map)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_layers
+    if expert_maps is not None and len(expert_maps) != moe_layers:
+        raise ValueError(f"{len(expert_maps)} per-layer expert maps for {moe_layers} MoE layers")
+    out = {}
+    for name in param_shapes(cfg):
+        m = _PER_EXPERT.match(name)
+        if m is None or m.group(2) != "0" or m.group(3) != "gate":
+            continue
+        i = int(_LAYER.match(name).group(1))
+        emap = base
+        if expert_maps is not None and i < cfg.num_hidden_layers:
+            emap = tuple(expert_maps[i - cfg.first_k_dense_layers])
+            check_expert_map(emap, cfg.num_experts, layout.expert_shards)
+        out[m.group(1)] = emap
+    return out
+
+
+def _local_of(cfg, layout: Layout, rank: int, maps: dict[str, tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
+    memo: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def local_of(prefix: str) -> tuple[int, ...]:
+        emap = maps[prefix]
+        if emap not in memo:
+            memo[emap] = layout.experts(rank, cfg.num_experts, emap)
+        return memo[emap]
+    return local_of
+
+
 def rank_sharding(cfg: ModelConfig, layout: Layout, rank: int, expert_map: Sequence[int] | None = None,
-                  stage_split: Sequence[int] | None = None, zero_stage: int = 1) -> TrainerSharding:
+                  stage_split: Sequence[int] | None = None, zero_stage: int = 1,
+                  expert_maps: Sequence[Sequence[int]] | None = None) -> TrainerSharding:
     c = layout.coords(rank)
     dense, experts = _stage_tables(cfg, layout.stage_layers(cfg.num_hidden_layers, stage_split))
-    local = layout.experts(rank, cfg.num_experts, _expert_map(cfg, layout, expert_map))
+    local = _local_of(cfg, layout, rank, layer_expert_maps(cfg, layout, expert_map, expert_maps))
     buffers, pieces = _rank_buffers_and_pieces(cfg, dense[c.pp], experts[c.pp], c.tp, layout.tp, local)
     if zero_stage == 3:
         buffers, pieces = _narrow_rows(buffers, pieces, layout, rank)
@@ -243,12 +281,12 @@ def rank_sharding(cfg: ModelConfig, layout: Layout, rank: int, expert_map: Seque
 
 def trainer_shard_spec(cfg: ModelConfig, layout: Layout, expert_map: Sequence[int] | None = None,
                        stage_split: Sequence[int] | None = None, rank_offset: int = 0,
-                       zero_stage: int = 1) -> ShardSpec:
+                       zero_stage: int = 1, expert_maps: Sequence[Sequence[int]] | None = None) -> ShardSpec:
     """The whole trainer's shard spec; ranks numbered from `rank_offset` in the transfer world. Ranks
     with the same stage, TP index and expert shard (DP replicas) share one description; with
     zero_stage=3 the DP and expert-replica positions tell the row shards apart."""
     dense, experts = _stage_tables(cfg, layout.stage_layers(cfg.num_hidden_layers, stage_split))
-    emap = _expert_map(cfg, layout, expert_map)
+    maps = layer_expert_maps(cfg, layout, expert_map, expert_maps)
     memo: dict[tuple[int, int, int], tuple] = {}
     ranks = []
     for r in range(layout.world_size):
@@ -257,8 +295,8 @@ def trainer_shard_spec(cfg: ModelConfig, layout: Layout, expert_map: Sequence[in
         if zero_stage == 3:
             key += (axis_position(layout, r, "dp")[1], axis_position(layout, r, "expert_replica")[1])
         if key not in memo:
-            local = layout.experts(r, cfg.num_experts, emap)
-            buffers, pieces = _rank_buffers_and_pieces(cfg, dense[c.pp], experts[c.pp], c.tp, layout.tp, local)
+            buffers, pieces = _rank_buffers_and_pieces(cfg, dense[c.pp], experts[c.pp], c.tp, layout.tp,
+                                                       _local_of(cfg, layout, r, maps))
             if zero_stage == 3:
                 buffers, pieces = _narrow_rows(buffers, pieces, layout, r)
             memo[key] = (tuple(buffers.items()), pieces)

@@ -77,6 +77,52 @@ class ShardedAdamW:
                     offset += p.numel()
             b.master.grad = None
 
+    # --- expert migration ---
+    def full_moments(self, wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter's whole AdamW moments (exp_avg, exp_avg_sq), shaped like it, for every bucket holding
+        a parameter whose id() is in `wanted`: one all-gather per such bucket over its ranks (every rank of
+        the bucket's group must call this for the same buckets). The views are writable: change them, then
+        `keep_moments` puts this rank's slices back. Before the first step the moments are zeros."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for b in self.buckets:
+            if not any(id(p) in wanted for p in b.params):
+                continue
+            state = self.opt.state.get(b.master) or {}
+            full = []
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = b.master.new_zeros(b.chunk)
+                if key in state:
+                    mine[: b.hi - b.lo] = state[key]
+                if b.size == 1:
+                    flat = mine
+                else:
+                    parts = [torch.empty_like(mine) for _ in range(b.size)]
+                    dist.all_gather(parts, mine, group=b.group)
+                    flat = torch.cat(parts)
+                full.append(flat[: b.numel])
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                out[id(p)] = tuple(f[offset:offset + n].view_as(p) for f in full)
+                offset += n
+        return out
+
+    def keep_moments(self, full: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After `full_moments` and a change of the parameters and of those moments (experts moved between
+        ranks): this rank's slice of each bucket's moments, and its master slice from the parameters."""
+        for b in self.buckets:
+            if not any(id(p) in full for p in b.params):
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+            with torch.no_grad():
+                b.master.copy_(flat[b.lo:b.hi])
+            state = self.opt.state.get(b.master)
+            if not state:  # no step taken yet: the moments are zeros and stay implicit
+                continue
+            for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+                moments = torch.cat([full[id(p)][i].reshape(-1) for p in b.params])
+                state[key].copy_(moments[b.lo:b.hi])
+
     # --- checkpoints ---
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state as `<bucket kind>/<master|exp_avg|exp_avg_sq|step>`. Before the

@@ -15,7 +15,7 @@ Gradient reduction groups follow from the same declarations: `grad_group_of`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -45,16 +45,23 @@ class ExpertParallelMoE(nn.Module):
             self.shared_experts = moe.shared_experts
         self.num_experts, self.moe_index = moe.num_experts, moe.moe_index
         self.groups = groups
-        shard_of = torch.tensor(expert_map, dtype=torch.long)
-        local_index = torch.zeros(self.num_experts, dtype=torch.long)
-        for shard in range(groups.size("ep")):
-            ids = (shard_of == shard).nonzero().flatten()
-            local_index[ids] = torch.arange(len(ids))
-        self.register_buffer("shard_of", shard_of, persistent=False)
-        self.register_buffer("local_index", local_index, persistent=False)
+        self.register_buffer("shard_of", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("local_index", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        self.set_map(expert_map)
         self.dispatcher = dispatcher
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.step_tokens_per_expert: torch.Tensor | None = None
+
+    def set_map(self, expert_map: Sequence[int]) -> None:
+        """Dispatch by `expert_map` (expert -> EP shard) from now on: expert e is row `local_index[e]` of
+        its shard's stack, the shard's experts stacked by id (as `rlhf.model.sharding` lays them out)."""
+        shard_of = torch.tensor(tuple(expert_map), dtype=torch.long)
+        local_index = torch.zeros(self.num_experts, dtype=torch.long)
+        for shard in range(self.groups.size("ep")):
+            ids = (shard_of == shard).nonzero().flatten()
+            local_index[ids] = torch.arange(len(ids))
+        self.shard_of.copy_(shard_of)
+        self.local_index.copy_(local_index)
 
     def forward(self, x_BTH, valid_BT=None, routing: Routing | None = None):
         B, T, H = x_BTH.shape
@@ -108,8 +115,9 @@ def _tp_output_hook(group):
 
 
 def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: LayoutGroups,
-                local: dict[str, torch.Tensor], expert_map: Sequence[int], stages: Sequence[range],
+                local: dict[str, torch.Tensor], expert_maps: Mapping[str, Sequence[int]], stages: Sequence[range],
                 dispatcher: Dispatcher) -> Qwen3MoeForCausalLM:
+    """`expert_maps`: each expert layer's map by prefix (`rlhf.model.sharding.layer_expert_maps`)."""
     cfg, layout = model.config, groups.layout
     stage = layout.coords(groups.rank).pp
     K = cfg.num_key_value_heads
@@ -150,7 +158,7 @@ def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: L
             layer.self_attn.register_forward_pre_hook(_tp_input_hook(groups.tp))
             layer.self_attn.o_proj.register_forward_hook(_tp_output_hook(groups.tp))
         if layer.is_moe:
-            layer.mlp = ExpertParallelMoE(layer.mlp, groups, expert_map, dispatcher)
+            layer.mlp = ExpertParallelMoE(layer.mlp, groups, expert_maps[f"model.layers.{i}.mlp.experts"], dispatcher)
         elif layout.tp > 1:
             layer.mlp.register_forward_pre_hook(_tp_input_hook(groups.tp))
             layer.mlp.down_proj.register_forward_hook(_tp_output_hook(groups.tp))

@@ -24,14 +24,15 @@ from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
-from rlhf.model.sharding import Split, TrainerSharding, is_frozen, rank_sharding, row_sharded, split_of
-from rlhf.parallel.comm import LayoutGroups, all_reduce, bounded, build_groups
+from rlhf.model.sharding import (Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded,
+                                 shard_rows, split_of)
+from rlhf.parallel.comm import LayoutGroups, all_reduce, all_to_all, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
 from rlhf.parallel.zero3 import RowShard, shard_parameters
-from rlhf.layout import Layout, default_expert_map
+from rlhf.layout import Layout, check_expert_map, default_expert_map
 
 
 # (logp_BT, entropy_BT, micro-batch) -> scalar loss, already divided by the global normaliser
@@ -63,6 +64,10 @@ class ParallelTrainer:
                                                  model_cfg.num_key_value_heads)
         self.expert_map = tuple(expert_map) if expert_map is not None else default_expert_map(
             model_cfg.num_experts, layout.expert_shards)
+        self.moe_layers = model_cfg.num_hidden_layers - model_cfg.first_k_dense_layers
+        # expert -> EP shard per MoE layer: the base map until expert-load balancing migrates a layer
+        self.expert_maps: tuple[tuple[int, ...], ...] = (self.expert_map,) * self.moe_layers
+        self.stage_split = stage_split
         self.stages = layout.stage_layers(model_cfg.num_hidden_layers, stage_split)
         self.stage = layout.coords(rank).pp
         self.sharding: TrainerSharding = rank_sharding(model_cfg, layout, rank, self.expert_map, stage_split,
@@ -75,8 +80,8 @@ class ParallelTrainer:
             self.dispatcher: Dispatcher = HierarchicalDispatcher(self.groups, ranks_per_node)
         else:
             self.dispatcher = FlatDispatcher(self.groups, ranks_per_node)
-        self.model = parallelize(model, self.sharding, self.groups, local, self.expert_map, self.stages,
-                                 self.dispatcher)
+        self.model = parallelize(model, self.sharding, self.groups, local,
+                                 layer_expert_maps(model_cfg, layout, self.expert_map), self.stages, self.dispatcher)
         self.row_shards: dict[str, RowShard] = {}  # zero_stage=3: the parameters gathered on use
         if trainer_cfg.zero_stage == 3:
             self._shard_parameters(stage_split)
@@ -89,7 +94,6 @@ class ParallelTrainer:
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
         self._offloaded: dict | None = None
-        self.moe_layers = model_cfg.num_hidden_layers - model_cfg.first_k_dense_layers
         self._old_routes: dict[int, torch.Tensor] = {}  # R2: batch row -> this stage's routes [T, L, k]
         # per micro-batch of the last measured forward: (batch rows, MoE layers that chose another expert set
         # than the engine, per token [B, T], summed over the pipeline stages)
@@ -347,6 +351,101 @@ class ParallelTrainer:
         which HF tensor each holds: the resharding layer's input."""
         self._check_onloaded()
         return self.sharding, {n: p.detach() for n, p in self.params.items()}
+
+    # --- expert-load balancing (rlhf.expert_balance) ---
+    def migrate_experts(self, expert_maps: Sequence[Sequence[int]], move_state: bool = True) -> dict:
+        """Place each MoE layer's experts by `expert_maps` (one expert -> EP shard map per MoE layer, the
+        order of `router_stats`): every expert that changes shard goes, with both AdamW moments, from each
+        rank holding it to the rank of the same expert-replica position on its new shard, in one all-to-all
+        over the EP group (ZeRO-1 moment slices and ZeRO-3 row shards are gathered over the expert replicas
+        first and re-split after); token dispatch, the shard export and checkpoints follow the new maps. A
+        permutation: logprobs, gradients and later AdamW steps are those of the unmigrated trainer.
+        `move_state=False` only relabels (a checkpoint saved under these maps is loaded next). Every rank
+        calls it with the same maps. Returns {"experts_moved", "bytes_sent"} of this rank's stage."""
+        self._check_onloaded("migrating experts")
+        new = tuple(tuple(int(s) for s in m) for m in expert_maps)
+        if len(new) != self.moe_layers:
+            raise ValueError(f"{len(new)} expert maps for {self.moe_layers} MoE layers")
+        for m in new:
+            check_expert_map(m, self.cfg.num_experts, self.layout.expert_shards)
+        old = self.expert_maps
+        mine = [i - self.cfg.first_k_dense_layers for i in self.stages[self.stage]
+                if i >= self.cfg.first_k_dense_layers and new[i - self.cfg.first_k_dense_layers] != old[
+                    i - self.cfg.first_k_dense_layers]]
+        out = {"experts_moved": sum(a != b for j in mine for a, b in zip(old[j], new[j])), "bytes_sent": 0}
+        if not mine:
+            self.expert_maps = new
+            return out
+        if move_state:
+            with self._bounded("expert migration (all-to-all of expert weights and AdamW moments over EP)"):
+                out["bytes_sent"] = self._move_experts(old, new, mine)
+        self.expert_maps = new
+        self.sharding = rank_sharding(self.cfg, self.layout, self.rank, self.expert_map, self.stage_split,
+                                      self.tcfg.zero_stage, expert_maps=new)
+        for block in self._moe_blocks():
+            block.set_map(new[block.moe_index])
+        return out
+
+    def _move_experts(self, old, new, layers: Sequence[int]) -> int:
+        """The all-to-all of `migrate_experts`; returns the bytes this rank sent. A moving expert travels as one
+        row: its gate_up and down weights, each followed by its two AdamW moments."""
+        E, ep, me = self.cfg.num_experts, self.layout.expert_shards, self.layout.ep_index(self.rank)
+        pairs = {j: tuple(f"model.layers.{j + self.cfg.first_k_dense_layers}.mlp.experts.{w}"
+                          for w in ("gate_up_proj", "down_proj")) for j in layers}
+        params = {n: self.params[n] for pair in pairs.values() for n in pair}
+        moments = self.optimizer.full_moments({id(p) for p in params.values()})
+        # each tensor's whole local stack [E / ep, ...]: the weights, exp_avg, exp_avg_sq
+        stacks = {n: [self._whole_rows(n, t) for t in (p.detach(), *moments[id(p)])] for n, p in params.items()}
+        held = {j: [e for e in range(E) if old[j][e] == me] for j in layers}  # stacking order: by expert id
+
+        def moving(src: int, dst: int):  # the (layer, expert) pairs going src -> dst, in the order they travel
+            return [(j, e) for j in layers for e in range(E) if old[j][e] == src and new[j][e] == dst]
+
+        rows, send = [], [0] * ep
+        for dst in range(ep):
+            for j, e in moving(me, dst) if dst != me else ():
+                i = held[j].index(e)
+                rows.append(torch.cat([t[i].reshape(-1) for n in pairs[j] for t in stacks[n]]))
+                send[dst] += 1
+        recv = [len(moving(src, me)) if src != me else 0 for src in range(ep)]
+        width = 3 * sum(stacks[n][0][0].numel() for n in pairs[layers[0]])
+        outgoing = torch.stack(rows) if rows else next(iter(params.values())).new_zeros(0, width)
+        with torch.no_grad():
+            incoming = all_to_all(outgoing, send, recv, self.groups.ep)
+        arrived = dict(zip([je for src in range(ep) if src != me for je in moving(src, me)], incoming))
+        for j in layers:
+            offset = 0
+            for n in pairs[j]:
+                p, size = params[n], stacks[n][0][0].numel()
+                for which, target in enumerate((p, *moments[id(p)])):
+                    stack = stacks[n][which]
+                    parts = [stack[held[j].index(e)] if old[j][e] == me else
+                             arrived[j, e][offset + which * size:offset + (which + 1) * size].view_as(stack[0])
+                             for e in range(E) if new[j][e] == me]
+                    with torch.no_grad():
+                        target.copy_(self._my_rows(n, torch.stack(parts)))
+                offset += 3 * size
+                p.grad = None  # of the old placement; the next step starts from zeros
+        self.optimizer.keep_moments(moments)
+        return outgoing.numel() * outgoing.element_size()
+
+    def _whole_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A ZeRO-3 row shard gathered over its group into the whole local stack; other tensors as they are."""
+        shard = self.row_shards.get(name)
+        if shard is None or shard.n == 1:
+            return t
+        padded = t.new_zeros((shard.chunk,) + tuple(t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in range(shard.n)]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=self.groups.expert_replica)
+        return torch.cat(parts)[: shard.full_shape[0]]
+
+    def _my_rows(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        shard = self.row_shards.get(name)
+        if shard is None or shard.n == 1:
+            return whole
+        lo, hi = shard_rows(shard.full_shape[0], shard.n, shard.index)
+        return whole[lo:hi]
 
     # --- checkpoints ---
     def state_dict(self) -> dict[str, torch.Tensor]:
