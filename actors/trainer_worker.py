@@ -144,7 +144,16 @@ class TrainerWorker(PolicyWorker):
         if seen and self._returns_rows:
             rows, out = [r for r, _, _ in seen], [(lp, e) for _, lp, e in seen]
             logprobs = _rows_reply(batch, rows, out, t0, self.trainer.route_differs)
-        return UpdateReply(stats, router.tolist() if self._returns_rows else None, t0, time.time() - t0, logprobs)
+        reports = self.rank == self.layout.stage_group(self.rank)[0]  # one rank per stage: its MoE layers
+        return UpdateReply(stats, router.tolist() if reports else None, t0, time.time() - t0, logprobs)
+
+    def migrate_experts(self, expert_maps: Sequence[Sequence[int]]) -> dict:
+        """Expert-load balancing: place each MoE layer's experts by `expert_maps` (`ParallelTrainer.migrate_experts`;
+        every rank, the same maps). Returns this rank's experts moved, bytes sent and seconds."""
+        t0 = time.time()
+        self.trainer.onload(self._device())
+        out = self.trainer.migrate_experts(expert_maps)
+        return out | {"seconds": time.time() - t0}
 
     # --- weight sync ---
     def join_sync(self, host: str, port: int, world_size: int) -> bool:

@@ -248,6 +248,19 @@ class DistBackend(Enum):
 
 
 @dataclass(frozen=True)
+class ExpertBalanceConfig:
+    """Expert-parallel load balancing (EDPB, docs/expert_balance.md): every `every_steps` optimizer steps the
+    trainer's experts move between EP ranks so that each rank gets a similar number of predicted tokens."""
+
+    enabled: bool = False
+    every_steps: int = 50  # steps between plans (a layer migrates only when its plan pays: min_cv_drop)
+    theta: float = 0.9  # the moving average's weight on the past prediction of each expert's tokens
+    # a layer migrates only when the coefficient of variation (std / mean) of its predicted per-EP-rank load
+    # drops by at least this much
+    min_cv_drop: float = 0.08
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     # Training layout: world size is pp * dp * tp; ep is carved out of dp * tp.
     pp: int = 1
@@ -288,6 +301,7 @@ class TrainerConfig:
     # down if the expert got more than the mean tokens, up if fewer (DeepSeek-V3's auxiliary-loss-free
     # balancing; it used 0.001). 0: the bias stays as loaded.
     router_bias_update_rate: float = 0.0
+    expert_balance: ExpertBalanceConfig = field(default_factory=ExpertBalanceConfig)
 
 
 class DeviceType(Enum):

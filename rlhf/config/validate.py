@@ -165,6 +165,20 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.router_bias_update_rate", t.router_bias_update_rate, "moves a sigmoid router's "
                          f"correction bias; model {cfg.model.name} has a {cfg.model.router_scoring.value} router "
                          "with none: set it to 0"))
+    b = t.expert_balance
+    if b.enabled:
+        if b.every_steps < 1:
+            p.append(Problem("trainer.expert_balance.every_steps", b.every_steps, "must be >= 1 (steps between "
+                             "balancing plans)"))
+        if not 0 <= b.theta < 1:
+            p.append(Problem("trainer.expert_balance.theta", b.theta, "must be in [0, 1) (the moving average's "
+                             "weight on the past)"))
+        if b.min_cv_drop < 0:
+            p.append(Problem("trainer.expert_balance.min_cv_drop", b.min_cv_drop, "must be >= 0"))
+        shards = t.ep * (t.tp if t.experts_over_tp_ep else 1)
+        if shards < 2:
+            p.append(Problem("trainer.expert_balance.enabled", b.enabled, "moves experts between expert-parallel "
+                             f"ranks; trainer ep={t.ep} has one shard of experts: set trainer.ep > 1 or disable it"))
     if t.lr_warmup_steps < 0:
         p.append(Problem("trainer.lr_warmup_steps", t.lr_warmup_steps, "must be >= 0 (0: no warmup)"))
     if cfg.rollout.max_num_seqs < 0:

@@ -76,32 +76,40 @@ def update_metrics(updates: list[UpdateReply]) -> dict[str, float]:
     return out
 
 
+def step_loads(updates: list[UpdateReply]) -> torch.Tensor | None:
+    """Tokens per expert of every MoE layer [layers, experts] in the update's last optimizer step: the rows of
+    each pipeline stage's reporting rank, in stage (= rank) order; None when no rank reported."""
+    stats = [u.router for u in updates if u.router]
+    return torch.tensor([row for s in stats for row in s], dtype=torch.float64) if stats else None
+
+
 def expert_load(updates: list[UpdateReply]) -> dict[str, float]:
     """Per MoE layer: tokens of the busiest expert over the mean (1.0 is perfectly balanced)."""
-    stats = [u.router for u in updates if u.router]
-    if not stats:
+    load = step_loads(updates)
+    if load is None:
         return {}
-    load = torch.tensor(stats[0], dtype=torch.float64)
     out = {f"expert_load/layer{i}_max_over_mean": float(row.max() / row.mean().clamp(min=1e-9))
            for i, row in enumerate(load)}
     out["expert_load/max_over_mean"] = max(out.values())
     return out
 
 
-def expert_parallel_load(updates: list[UpdateReply], expert_map: Sequence[int], shards: int,
+def expert_parallel_load(updates: list[UpdateReply], expert_maps: Sequence[Sequence[int]], shards: int,
                          prediction: list[list[float]] | None, theta: float = 0.9):
-    """Per MoE layer (of the first pipeline stage, whose rank reports): tokens on the busiest EP rank over the
-    mean under the trainer's expert map (what EDPB balances; 1.0 is even), and how far the moving-average
-    prediction of each expert's load (`rlhf.expert_balance.predict`) made before this step was from it.
-    Returns (metrics, the prediction for the next step)."""
+    """Per MoE layer: tokens on the busiest EP rank over the mean under the trainer's expert map of that layer
+    (`expert_maps`, what EDPB balances; 1.0 is even), and how far the moving-average prediction of each
+    expert's load (`rlhf.expert_balance.predict`) made before this step was from it. Returns (metrics, the
+    prediction for the next step)."""
     from rlhf.expert_balance import predict
 
-    stats = [u.router for u in updates if u.router]
-    if not stats or not stats[0]:
+    load = step_loads(updates)  # [layers, experts]
+    if load is None or not len(load):
         return {}, prediction
-    load = torch.tensor(stats[0], dtype=torch.float64)  # [layers, experts]
-    per_rank = torch.zeros(load.shape[0], shards, dtype=torch.float64).index_add_(
-        1, torch.tensor(list(expert_map)), load)
+    if len(expert_maps) != len(load):
+        raise ValueError(f"{len(expert_maps)} expert maps for the {len(load)} MoE layers the trainer reported")
+    per_rank = torch.zeros(load.shape[0], shards, dtype=torch.float64)
+    for i, emap in enumerate(expert_maps):
+        per_rank[i].index_add_(0, torch.tensor(list(emap)), load[i])
     ratio = per_rank.max(1).values / per_rank.mean(1).clamp(min=1e-9)
     out = {}
     if shards > 1:

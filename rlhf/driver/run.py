@@ -26,9 +26,9 @@ from rlhf.config.load import as_dict
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
+from rlhf.driver.balance import ExpertBalancing
 from rlhf.driver.faults import Recovery
-from rlhf.driver.metrics import expert_parallel_load, progress_fields, step_metrics
-from rlhf.layout import default_expert_map
+from rlhf.driver.metrics import progress_fields, step_metrics
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
@@ -104,7 +104,7 @@ class RunInputs:
 
 
 @dataclass
-class Run(Recovery):
+class Run(Recovery, ExpertBalancing):
     """One run: its inputs, its roles once started, and what it has done so far."""
 
     cfg: RunConfig
@@ -127,6 +127,7 @@ class Run(Recovery):
     ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
     load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*; checkpointed)
     load_metrics: dict = field(default_factory=dict)  # this step's expert_load/* from observe_expert_loads
+    expert_maps: Optional[tuple] = None  # the trainer's expert -> EP shard map per MoE layer once balanced (checkpointed)
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
@@ -290,7 +291,8 @@ class Run(Recovery):
         with self.phase("checkpoint", step):
             self.roles.all(self.roles.trainer, "save", str(d))
             commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state(),
-                       "expert_load_prediction": self.load_prediction}
+                       "expert_load_prediction": self.load_prediction,
+                       "expert_maps": [list(m) for m in self.expert_maps] if self.expert_maps else None}
                    | (self.extra_state(d) if self.extra_state else {}))
             prune(Path(c.dir), c.keep_last)
         self.last_checkpoint = d
@@ -302,6 +304,8 @@ class Run(Recovery):
         self.inputs.sampler.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.load_prediction = state.get("expert_load_prediction")  # none in checkpoints written before it
+        maps = state.get("expert_maps")  # the trainer ranks restored the same placement from their files
+        self._set_expert_maps(tuple(tuple(m) for m in maps) if maps else None)
         self.step = state["step"]
         # the engines serve the resumed weights
         self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)
@@ -312,13 +316,6 @@ class Run(Recovery):
     # --- faults: rlhf/driver/faults.py (Recovery) ---
 
     # --- metrics ---
-    def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
-        """The step's expert-parallel load metrics (logged by `record`), and the load prediction moved on."""
-        lay = self.inputs.sync.trainer
-        self.load_metrics, self.load_prediction = expert_parallel_load(
-            updates, default_expert_map(self.cfg.model.num_experts, lay.expert_shards), lay.expert_shards,
-            self.load_prediction)
-
     def record(self, step: int, ro: Rollout, batch: TokenBatch, entropy: torch.Tensor, parity: Parity,
                updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float,
                extra: dict | None = None) -> None:
@@ -354,6 +351,9 @@ class Run(Recovery):
                                                "rollout/generated_tokens")}
                             | {"step": step, "samples": len(batch), "staleness_max": m.get("stale/staleness_max", 0),
                                "route_mismatch": m.get("route/mismatch"),
+                               "ep_rank_load": m.get("expert_load/ep_rank_max_over_mean"),
+                               "experts_moved": m.get("expert_balance/experts_moved", 0),
+                               "expert_bytes_moved": m.get("expert_balance/bytes_moved", 0),
                                "route_tokens_any_mismatch": m.get("route/tokens_any_mismatch")})
         self.progress.update(step, progress_fields(m, self.accuracy))
 
@@ -388,6 +388,12 @@ class Run(Recovery):
                                           if h["route_mismatch"] is not None), 6),
             "route_tokens_any_mismatch_mean": _mean((h["route_tokens_any_mismatch"] for h in self.history
                                                      if h["route_tokens_any_mismatch"] is not None), 6),
+            # expert-parallel load (tokens on the busiest EP rank over the mean, the worst MoE layer), mean over
+            # steps; and what expert-load balancing moved (trainer.expert_balance)
+            "ep_rank_load_max_over_mean_mean": _mean((h["ep_rank_load"] for h in self.history
+                                                      if h["ep_rank_load"] is not None), 4),
+            "expert_balance_experts_moved": sum(h["experts_moved"] for h in self.history),
+            "expert_balance_bytes_moved": sum(h["expert_bytes_moved"] for h in self.history),
             "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
             "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
             "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],

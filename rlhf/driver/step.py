@@ -61,6 +61,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
         updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
     run.trace_ranks("update", roles.trainer, updates, step)
     run.observe_expert_loads(updates)  # before this step's checkpoint, which saves the load prediction
+    run.balance_experts(step)  # EDPB: experts may move between the trainer's EP ranks before the sync
     if old_logp is None:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
         differs = batch_route_differs([u.logprobs for u in updates])

@@ -24,10 +24,10 @@ from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
-from rlhf.model.sharding import (Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded,
-                                 shard_rows, split_of)
-from rlhf.parallel.comm import LayoutGroups, all_reduce, all_to_all, bounded, build_groups
+from rlhf.model.sharding import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
+from rlhf.parallel.comm import LayoutGroups, all_reduce, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
+from rlhf.parallel.migrate import move_experts
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
@@ -378,74 +378,13 @@ class ParallelTrainer:
             return out
         if move_state:
             with self._bounded("expert migration (all-to-all of expert weights and AdamW moments over EP)"):
-                out["bytes_sent"] = self._move_experts(old, new, mine)
+                out["bytes_sent"] = move_experts(self, old, new, mine)
         self.expert_maps = new
         self.sharding = rank_sharding(self.cfg, self.layout, self.rank, self.expert_map, self.stage_split,
                                       self.tcfg.zero_stage, expert_maps=new)
         for block in self._moe_blocks():
             block.set_map(new[block.moe_index])
         return out
-
-    def _move_experts(self, old, new, layers: Sequence[int]) -> int:
-        """The all-to-all of `migrate_experts`; returns the bytes this rank sent. A moving expert travels as one
-        row: its gate_up and down weights, each followed by its two AdamW moments."""
-        E, ep, me = self.cfg.num_experts, self.layout.expert_shards, self.layout.ep_index(self.rank)
-        pairs = {j: tuple(f"model.layers.{j + self.cfg.first_k_dense_layers}.mlp.experts.{w}"
-                          for w in ("gate_up_proj", "down_proj")) for j in layers}
-        params = {n: self.params[n] for pair in pairs.values() for n in pair}
-        moments = self.optimizer.full_moments({id(p) for p in params.values()})
-        # each tensor's whole local stack [E / ep, ...]: the weights, exp_avg, exp_avg_sq
-        stacks = {n: [self._whole_rows(n, t) for t in (p.detach(), *moments[id(p)])] for n, p in params.items()}
-        held = {j: [e for e in range(E) if old[j][e] == me] for j in layers}  # stacking order: by expert id
-
-        def moving(src: int, dst: int):  # the (layer, expert) pairs going src -> dst, in the order they travel
-            return [(j, e) for j in layers for e in range(E) if old[j][e] == src and new[j][e] == dst]
-
-        rows, send = [], [0] * ep
-        for dst in range(ep):
-            for j, e in moving(me, dst) if dst != me else ():
-                i = held[j].index(e)
-                rows.append(torch.cat([t[i].reshape(-1) for n in pairs[j] for t in stacks[n]]))
-                send[dst] += 1
-        recv = [len(moving(src, me)) if src != me else 0 for src in range(ep)]
-        width = 3 * sum(stacks[n][0][0].numel() for n in pairs[layers[0]])
-        outgoing = torch.stack(rows) if rows else next(iter(params.values())).new_zeros(0, width)
-        with torch.no_grad():
-            incoming = all_to_all(outgoing, send, recv, self.groups.ep)
-        arrived = dict(zip([je for src in range(ep) if src != me for je in moving(src, me)], incoming))
-        for j in layers:
-            offset = 0
-            for n in pairs[j]:
-                p, size = params[n], stacks[n][0][0].numel()
-                for which, target in enumerate((p, *moments[id(p)])):
-                    stack = stacks[n][which]
-                    parts = [stack[held[j].index(e)] if old[j][e] == me else
-                             arrived[j, e][offset + which * size:offset + (which + 1) * size].view_as(stack[0])
-                             for e in range(E) if new[j][e] == me]
-                    with torch.no_grad():
-                        target.copy_(self._my_rows(n, torch.stack(parts)))
-                offset += 3 * size
-                p.grad = None  # of the old placement; the next step starts from zeros
-        self.optimizer.keep_moments(moments)
-        return outgoing.numel() * outgoing.element_size()
-
-    def _whole_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A ZeRO-3 row shard gathered over its group into the whole local stack; other tensors as they are."""
-        shard = self.row_shards.get(name)
-        if shard is None or shard.n == 1:
-            return t
-        padded = t.new_zeros((shard.chunk,) + tuple(t.shape[1:]))
-        padded[: t.shape[0]] = t
-        parts = [torch.empty_like(padded) for _ in range(shard.n)]
-        torch.distributed.all_gather(parts, padded.contiguous(), group=self.groups.expert_replica)
-        return torch.cat(parts)[: shard.full_shape[0]]
-
-    def _my_rows(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        shard = self.row_shards.get(name)
-        if shard is None or shard.n == 1:
-            return whole
-        lo, hi = shard_rows(shard.full_shape[0], shard.n, shard.index)
-        return whole[lo:hi]
 
     # --- checkpoints ---
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -51,6 +51,9 @@ class SyncLayout:
     topology: Topology  # nodes of the transfer ranks (trainer ranks, then every engine rank)
     zero_stage: int = 1  # the trainer's: 3 row-shards parameters, so every DP rank sends its own rows
     devices: tuple[int, ...] = ()  # device of each transfer rank, when known (same-device pairs)
+    # the trainer's expert -> EP shard map per MoE layer once expert-load balancing moved experts (None: the
+    # contiguous default); the plan is rebuilt when it changes
+    expert_maps: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
@@ -98,7 +101,7 @@ def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     """The trainer's and the engines' shard specs of a sync layout, built once per (equal) layout. The engines
     hold no MTP modules (vLLM loads them only as a speculative-decoding draft, which rollouts do not run), so
     none are sent; the trainer carries them unchanged into checkpoints and exports."""
-    return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage),
+    return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage, expert_maps=sync.expert_maps),
             engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False))
 
 

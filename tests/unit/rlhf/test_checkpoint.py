@@ -27,6 +27,8 @@ class StandInTrainer:
     def __init__(self, layout: Layout, rank: int, full_hf: dict, stage_split=None):
         self.cfg, self.layout, self.rank = CFG, layout, rank
         self.expert_map = default_expert_map(CFG.num_experts, layout.expert_shards)
+        self.moe_layers = CFG.num_hidden_layers - CFG.first_k_dense_layers
+        self.expert_maps = (self.expert_map,) * self.moe_layers
         self.stages = layout.stage_layers(CFG.num_hidden_layers, stage_split)
         self.sharding = rank_sharding(CFG, layout, rank, None, stage_split)
         self.tensors = local_tensors(full_hf, self.sharding)

@@ -43,3 +43,17 @@ def test_make_tiny_names_the_models_it_knows_and_refuses_a_bad_learning_rate(tmp
     assert main(["make-tiny", str(tmp_path / "x"), "--model", "pangu_moe_tiny", "--lr", "-1"]) != 0
     assert "--lr -1.0: the learning rate must be positive" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_expert_balance_settings_are_checked_and_need_expert_parallel_ranks():
+    tiny = PANGU.parent / "tiny_cpu.yaml"  # trainer dp2 x ep2
+    b = load_run_config(tiny, ["trainer.expert_balance.enabled=true", "trainer.expert_balance.every_steps=4"])
+    assert b.trainer.expert_balance.enabled and b.trainer.expert_balance.every_steps == 4
+    assert b.trainer.expert_balance.theta == 0.9 and b.trainer.expert_balance.min_cv_drop == 0.08
+    for key, value, message in (("every_steps", 0, "must be >= 1"), ("theta", 1.0, r"must be in \[0, 1\)"),
+                                ("min_cv_drop", -0.1, "must be >= 0")):
+        with pytest.raises(ConfigError, match=f"trainer.expert_balance.{key} = {value}: {message}"):
+            load_run_config(tiny, ["trainer.expert_balance.enabled=true", f"trainer.expert_balance.{key}={value}"])
+    with pytest.raises(ConfigError, match="trainer ep=1 has one shard of experts: set trainer.ep > 1"):
+        load_run_config(tiny, ["trainer.expert_balance.enabled=true", "trainer.ep=1"])
+    assert not load_run_config(tiny, ["trainer.ep=1"]).trainer.expert_balance.enabled  # off: nothing checked

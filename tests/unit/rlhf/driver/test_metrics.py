@@ -43,17 +43,24 @@ def test_ep_rank_load_and_the_load_prediction():
     """4 experts on 2 EP ranks (0, 1 | 2, 3): layer 0 puts 30 of 40 tokens on rank 0; the prediction made before
     a step is scored against that step's loads, then moved toward them."""
     reply = UpdateReply(_stats(1.0, 0.0), [[10, 20, 5, 5], [10, 10, 10, 10]], 0.0, 1.0)
-    m, pred = expert_parallel_load([reply], (0, 0, 1, 1), 2, None)
+    m, pred = expert_parallel_load([reply], [(0, 0, 1, 1)] * 2, 2, None)
     assert m == {"expert_load/layer0_ep_rank_max_over_mean": 1.5, "expert_load/layer1_ep_rank_max_over_mean": 1.0,
                  "expert_load/ep_rank_max_over_mean": 1.5}
     assert pred == [[10, 20, 5, 5], [10, 10, 10, 10]]
     reply2 = UpdateReply(_stats(1.0, 0.0), [[20, 10, 5, 5], [10, 10, 10, 10]], 0.0, 1.0)
-    m2, pred2 = expert_parallel_load([reply2], (0, 0, 1, 1), 2, pred)
+    m2, pred2 = expert_parallel_load([reply2], [(0, 0, 1, 1)] * 2, 2, pred)
     assert abs(m2["expert_load/prediction_error"] - 20 / 80) < 1e-12
     assert pred2[0] == pytest.approx([11, 19, 5, 5])
-    m1, _ = expert_parallel_load([reply], (0, 0, 0, 0), 1, None)
+    m1, _ = expert_parallel_load([reply], [(0, 0, 0, 0)] * 2, 1, None)
     assert m1 == {}  # one expert shard: nothing to balance, no prediction yet
     assert expert_load([UpdateReply(_stats(1.0, 0.0), None, 0.0, 1.0)]) == {}
+    # each layer under its own map (after a migration), and each pipeline stage's rank reporting its own layers
+    stage0, stage1 = (UpdateReply(_stats(1.0, 0.0), [r], 0.0, 1.0) for r in ([10, 20, 5, 5], [10, 10, 10, 10]))
+    m3, pred3 = expert_parallel_load([stage0, UpdateReply(_stats(1.0, 0.0), None, 0.0, 1.0), stage1],
+                                     [(0, 1, 0, 1), (0, 0, 1, 1)], 2, None)
+    assert m3["expert_load/layer0_ep_rank_max_over_mean"] == 25 / 20 and pred3 == pred
+    with pytest.raises(ValueError, match="2 expert maps for the 1 MoE layers"):
+        expert_parallel_load([stage0], [(0, 1, 0, 1)] * 2, 2, None)
 
 
 def test_step_metrics_from_replies():

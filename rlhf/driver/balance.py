@@ -1,0 +1,76 @@
+"""Expert-parallel load balancing in the run (trainer.expert_balance, docs/expert_balance.md): the
+`ExpertBalancing` part of `Run`. Each step's expert loads move the prediction on; every `every_steps` steps
+each MoE layer's placement is planned from it (`rlhf.expert_balance`), the trainer ranks migrate their experts
+with their optimizer state (`ParallelTrainer.migrate_experts`), and the weight sync follows the new maps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Optional
+
+from actors.replies import UpdateReply
+from rlhf.driver.metrics import expert_parallel_load
+from rlhf.layout import default_expert_map
+
+
+class ExpertBalancing:
+    """Mixed into `rlhf.driver.run.Run`, whose fields it uses (cfg, inputs, roles, expert_maps, load_prediction,
+    load_metrics, log, phase)."""
+
+    def current_expert_maps(self) -> tuple[tuple[int, ...], ...]:
+        """The trainer's expert -> EP shard map of every MoE layer."""
+        if self.expert_maps is not None:
+            return self.expert_maps
+        m = self.cfg.model
+        return (default_expert_map(m.num_experts, self.inputs.sync.trainer.expert_shards),) * (
+            m.num_hidden_layers - m.first_k_dense_layers)
+
+    def observe_expert_loads(self, updates: list[UpdateReply]) -> None:
+        """The step's expert-parallel load metrics (logged by `record`), and the load prediction moved on."""
+        b = self.cfg.trainer.expert_balance
+        self.load_metrics, self.load_prediction = expert_parallel_load(
+            updates, self.current_expert_maps(), self.inputs.sync.trainer.expert_shards, self.load_prediction,
+            b.theta)
+
+    def balance_experts(self, step: int) -> None:
+        """Expert-parallel load balancing (trainer.expert_balance, docs/expert_balance.md): every `every_steps`
+        steps each MoE layer's placement is planned from the load prediction (`rlhf.expert_balance.plan`);
+        when a layer's plan pays (min_cv_drop), every trainer rank moves its experts with their optimizer
+        state, and the weight-sync plan is rebuilt for the trainer's new maps (the engines keep theirs). Its
+        metrics join the step's expert_load/*."""
+        b = self.cfg.trainer.expert_balance
+        if not b.enabled or step % b.every_steps or self.load_prediction is None:
+            return
+        from rlhf.expert_balance import plan
+
+        t0 = time.time()
+        p = plan(self.load_prediction, self.current_expert_maps(), self.inputs.sync.trainer.expert_shards,
+                 b.min_cv_drop)
+        m = p.metrics() | {"expert_balance/plan_seconds": time.time() - t0, "expert_balance/bytes_moved": 0,
+                           "expert_balance/sync_plan_seconds": 0.0}
+        if p.experts_moved:
+            with self.phase("expert migration", step):
+                replies = self.roles.all(self.roles.trainer, "migrate_experts", p.maps)
+            t1 = time.time()
+            self._set_expert_maps(p.maps)
+            m |= {"expert_balance/bytes_moved": sum(r["bytes_sent"] for r in replies),
+                  "expert_balance/sync_plan_seconds": time.time() - t1}
+            moved = [lp for lp in p.layers if lp.migrate]
+            self.log(f"step {step}: expert balance: {len(moved)} MoE layers migrated, {p.experts_moved} experts "
+                     f"moved ({m['expert_balance/bytes_moved'] / 1e6:.1f} MB with their AdamW moments); predicted "
+                     f"per-rank load CV " + ", ".join(f"layer {lp.layer} {lp.cv_before:.3f}->{lp.cv_after:.3f}"
+                                                      for lp in moved))
+        self.load_metrics |= m
+
+    def _set_expert_maps(self, maps: Optional[tuple]) -> None:
+        """The trainer's expert maps changed (a migration, or a checkpoint restored): the weight sync's source
+        spec and plan follow them (plan time is in expert_balance/sync_plan_seconds)."""
+        if maps == self.expert_maps:
+            return
+        self.expert_maps = maps
+        sync = replace(self.inputs.sync, expert_maps=maps)
+        self.inputs = replace(self.inputs, sync=sync, plan=sync.plan())
+        if self.roles is not None:
+            self.roles.sync_layout = sync
