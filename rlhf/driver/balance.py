@@ -48,15 +48,15 @@ class ExpertBalancing:
         t0 = time.time()
         p = plan(self.load_prediction, self.current_expert_maps(), self.inputs.sync.trainer.expert_shards,
                  b.min_cv_drop)
-        m = p.metrics() | {"expert_balance/plan_seconds": time.time() - t0, "expert_balance/bytes_moved": 0,
-                           "expert_balance/sync_plan_seconds": 0.0}
+        m = p.metrics() | {"time/expert_balance_plan": time.time() - t0, "expert_balance/bytes_moved": 0,
+                           "time/expert_balance_sync_plan": 0.0}
         if p.experts_moved:
             with self.phase("expert migration", step):
                 replies = self.roles.all(self.roles.trainer, "migrate_experts", p.maps)
             t1 = time.time()
             self._set_expert_maps(p.maps)
             m |= {"expert_balance/bytes_moved": sum(r["bytes_sent"] for r in replies),
-                  "expert_balance/sync_plan_seconds": time.time() - t1}
+                  "time/expert_balance_sync_plan": time.time() - t1}
             moved = [lp for lp in p.layers if lp.migrate]
             self.log(f"step {step}: expert balance: {len(moved)} MoE layers migrated, {p.experts_moved} experts "
                      f"moved ({m['expert_balance/bytes_moved'] / 1e6:.1f} MB with their AdamW moments); predicted "
@@ -66,7 +66,7 @@ class ExpertBalancing:
 
     def _set_expert_maps(self, maps: Optional[tuple]) -> None:
         """The trainer's expert maps changed (a migration, or a checkpoint restored): the weight sync's source
-        spec and plan follow them (plan time is in expert_balance/sync_plan_seconds)."""
+        spec and plan follow them (plan time is in time/expert_balance_sync_plan)."""
         if maps == self.expert_maps:
             return
         self.expert_maps = maps

@@ -14,6 +14,10 @@ from rlhf.driver import train
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
+# expert-load balancing planned every 4 steps, a layer migrating whenever its plan is no worse: the trainer's
+# experts move between its EP ranks in the run, and every sync, resume and redo after that must stay exact
+BALANCE = ("trainer.expert_balance.enabled=true", "trainer.expert_balance.every_steps=4",
+           "trainer.expert_balance.min_cv_drop=0.0")
 
 
 def _overrides(d: Path, out: Path, *extra: str) -> list[str]:
@@ -27,7 +31,7 @@ def short_run(tiny, ray_session, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, out, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
-        "rollout.capture_routes=true"))
+        "rollout.capture_routes=true", *BALANCE))
     return out, train(cfg)
 
 
@@ -47,6 +51,7 @@ def test_reward_rises_and_every_sync_is_exact(short_run):
     # each engine rank received exactly the bytes its own shards hold, every step
     assert result["sync_bytes_per_engine_rank"] == result["sync_bytes_minimal_per_engine_rank"]
     assert 0 < result["sync_share"] < 1 and result["sync_link_gb_per_s"] > 0
+    assert result["expert_balance_experts_moved"] > 0 and result["expert_balance_bytes_moved"] > 0
 
 
 def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_path):
@@ -105,7 +110,7 @@ def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run,
     d, _ = tiny
     run = tmp_path / "killed"
     args = _overrides(d, run, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
-                      "rollout.capture_routes=true")
+                      "rollout.capture_routes=true", *BALANCE)
     shm_before = set(os.listdir("/dev/shm"))
     with open(tmp_path / "driver.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(REPO / "configs/tiny_cpu.yaml"), *args],
@@ -157,7 +162,7 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
         d, tmp_path, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
         "rollout.capture_routes=true", "chaos.kill_engines=[1@3,0@5:sync,1@8:evaluate]", "chaos.stop_engines=[0@6,1@7:sync]",
         "rollout.liveness_probe_s=5", "rollout.max_restarts=5", "chaos.kill_trainer_ranks=[1@10]",
-        "chaos.stop_trainer_ranks=[0@12:logprobs]", "trainer.liveness_probe_s=5"))
+        "chaos.stop_trainer_ranks=[0@12:logprobs]", "trainer.liveness_probe_s=5", *BALANCE))
     said = []
     result = train(cfg, log=said.append)
     assert result["steps_run"] == STEPS and result["engine_restarts"] == 5
