@@ -47,6 +47,9 @@ class TokenBatch:
     routes_BTLk: Optional[torch.Tensor] = None
     # On a trainer rank, its share of them instead (sent apart from the batch: `rlhf.driver.run.Run.route_shares`)
     route_share: Optional[RouteShare] = None
+    # The attention term of each sample's predicted cost per squared token (`rlhf.balance.sample_cost`): samples
+    # are spread over DP ranks by tokens plus it (0: by tokens alone). The driver sets it from the model's shape.
+    attention_cost: float = 0.0
 
     @staticmethod
     def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -91,7 +94,7 @@ class TokenBatch:
         out: set[int] = set()
         for rows in row_lists:
             rows = list(rows)
-            for mb in balance([self.lengths[r] for r in rows], dp, max_tokens).per_rank[dp_index]:
+            for mb in balance([self.lengths[r] for r in rows], dp, max_tokens, self.attention_cost).per_rank[dp_index]:
                 out.update(rows[i] for i in mb)
         return sorted(out)
 
@@ -99,7 +102,7 @@ class TokenBatch:
         """This DP rank's micro-batches of the samples `rows`, balanced by token count across the `dp`
         ranks (every rank computes the same assignment). Each is trimmed to its longest sample."""
         lengths = [self.lengths[r] for r in rows]
-        mine = balance(lengths, dp, max_tokens).per_rank[dp_index]
+        mine = balance(lengths, dp, max_tokens, self.attention_cost).per_rank[dp_index]
         out = []
         for mb in mine:
             idx = torch.tensor([rows[i] for i in mb])

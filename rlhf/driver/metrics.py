@@ -123,6 +123,22 @@ def expert_parallel_load(updates: list[UpdateReply], expert_maps: Sequence[Seque
     return out, predict(prediction, load.tolist(), theta)
 
 
+def dp_balance(batch, mini_batches: Sequence[Sequence[int]], dp: int, max_tokens: int) -> dict[str, float]:
+    """How even the DP ranks' predicted work is (`rlhf.balance`: tokens plus the attention term), the worst
+    mini-batch of the step: the slowest rank over the mean as the trainer splits the samples, and as a split by
+    sample index would."""
+    from rlhf.balance import balance, by_index_imbalance
+
+    if dp < 2:
+        return {}
+    after = before = 1.0
+    for rows in mini_batches:
+        lengths = [batch.lengths[r] for r in rows]
+        after = max(after, balance(lengths, dp, max_tokens, batch.attention_cost).cost_imbalance)
+        before = max(before, by_index_imbalance(lengths, dp, batch.attention_cost))
+    return {"balance/dp_cost_max_over_mean": after, "balance/dp_cost_max_over_mean_by_index": before}
+
+
 def progress_fields(m: dict[str, float], accuracy: list[tuple[int, float]]) -> dict[str, object]:
     """What the progress line shows after a step: reward, the last evaluated held-out accuracy with the step
     it is from (evaluations are every `eval_every` steps: never a blank `nan` in between), MB synced."""

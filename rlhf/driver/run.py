@@ -37,6 +37,7 @@ from rlhf.parity import Parity, parity_problem
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
 from rlhf.schema import DeviceType, RunConfig, engine_kills, trainer_kills
+from rlhf.sim.workload import attention_quadratic
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -237,7 +238,8 @@ class Run(Recovery, ExpertBalancing):
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
                                        [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
-                                       self.cfg.rollout.temperature)  # routes go apart (`route_shares`)
+                                       self.cfg.rollout.temperature  # routes go apart (`route_shares`)
+                                       ).with_(attention_cost=attention_quadratic(self.cfg.model))
 
     def mini_batches(self, n: int, step: int) -> list[list[int]]:
         """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""

@@ -15,6 +15,7 @@ from actors.replies import SyncReplies
 from actors.roles import batch_logprobs, batch_route_differs
 from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
 from rlhf.batch import TokenBatch
+from rlhf.driver.metrics import dp_balance
 from rlhf.driver.rollout import Rollout
 from rlhf.driver.run import Run
 from rlhf.routing import RouteStats
@@ -29,7 +30,8 @@ class Learned:
     entropy: torch.Tensor
     updates: list
     sync: SyncReplies
-    route_metrics: dict  # route/* (with engine routes in the batch): how often the trainer's routing differs
+    route_metrics: dict  # route/* (with engine routes in the batch): how often the trainer's routing differs;
+    # balance/*: how even the DP ranks' predicted work is
 
 
 def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
@@ -71,7 +73,8 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     if switch:
         with run.phase("switch to rollout", step):
             run.switch("wake_up", "offload")
-    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(run, ro, differs) | route_bytes)
+    return Learned(batch, old_logp, entropy, updates, sync, route_metrics(run, ro, differs) | route_bytes
+                   | dp_balance(batch, mini_batches, cfg.trainer.dp, cfg.trainer.micro_batch_tokens))
 
 
 def route_metrics(run: Run, ro: Rollout, differs_BT) -> dict:

@@ -89,6 +89,15 @@ def model_cost(m: ModelConfig) -> ModelCost:
                      act_per_token_layer=act)
 
 
+def attention_quadratic(m: ModelConfig) -> float:
+    """The attention term of a sample's predicted cost (`rlhf.balance.sample_cost`), per squared token, in units
+    of one token's linear work: a forward over a sequence of L tokens (each attending to L / 2 positions on
+    average) costs 2 L active + L^2 layers attn_width FLOPs (`ModelCost.forward_flops`), that is
+    2 active (L + q L^2) with q = layers attn_width / (2 active)."""
+    c = model_cost(m)
+    return c.layers * c.attn_width / (2.0 * c.active)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One step's work, from a run config; the lengths may be given (measured) instead of the limits."""

@@ -105,3 +105,15 @@ def test_progress_line_shows_the_last_evaluated_accuracy_and_its_step_never_nan(
     line = Progress(30).render(27, fields, elapsed_s=54.0)  # two steps after the last evaluation
     assert "acc 0.398@25" in line and "nan" not in line
     assert "acc" not in progress_fields(m, [])  # nothing evaluated yet: no accuracy shown, not nan
+
+
+def test_dp_balance_reports_the_worst_mini_batch_as_split_and_by_index():
+    from rlhf.driver.metrics import dp_balance
+
+    # two mini-batches; the second has the long samples on the even indices: by index rank 0 takes them all
+    responses = [[5] * 4] * 4 + [[5] * 60, [5] * 4, [5] * 60, [5] * 4]
+    batch = TokenBatch.from_samples([[1, 4]] * 8, responses).with_(attention_cost=0.01)
+    m = dp_balance(batch, [[0, 1, 2, 3], [4, 5, 6, 7]], 2, 4096)
+    assert m["balance/dp_cost_max_over_mean"] == pytest.approx(1.0)  # a long and a short sample on each rank
+    assert m["balance/dp_cost_max_over_mean_by_index"] > 1.8
+    assert dp_balance(batch, [[0, 1, 2, 3]], 1, 4096) == {}  # one DP rank: nothing to balance
