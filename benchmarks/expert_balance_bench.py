@@ -1,7 +1,7 @@
 """Expert-load balancing (EDPB) in the trainer on skewed routing: update seconds with and without it, side by side.
 
     python -m benchmarks.expert_balance_bench                 # EP 2 and EP 4 (dp = ep gloo processes)
-    python -m benchmarks.expert_balance_bench --ep 2 --steps 4
+    python -m benchmarks.expert_balance_bench --ep 2 --steps 6
 
 The model is expert-heavy (hidden 256, 8 experts of 512, top-2, 2 MoE layers, random weights written by our
 code) and its routers are skewed the way trained MoE routers are: a direction of the router's input (the
