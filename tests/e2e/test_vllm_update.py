@@ -161,7 +161,10 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
 
         segments = [p for prefix in engine._shm_prefixes for p in glob.glob(f"/dev/shm/{glob.escape(prefix)}-*")]
         assert set(os.listdir("/dev/shm")) - shm_before, "a TP 2 engine on cpu shares memory between its workers"
-        workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline() + [p.name()])]
+        # this engine's own workers only (vLLM titles them VLLM::Worker_TP<i>): a looser match also hit the test
+        # session's Ray raylet, whose command line names worker options, and took the shared Ray instance down
+        workers = [p for p in psutil.Process().children(recursive=True)
+                   if " ".join(p.cmdline() + [p.name()]).startswith("VLLM::Worker")]
         assert workers
         for w in workers:
             os.kill(w.pid, signal.SIGKILL)
