@@ -48,8 +48,12 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
     d, _ = tiny
     out = tmp_path / "run"
     replay = "trainer.routing_replay=rollout"  # the queued groups' routes go into the checkpoint too
+    # expert-load balancing planned every step (migrating whenever a plan is no worse): the trainer's experts move
+    # while the producer generates ahead, and the checkpoints, the resume and the restart carry the placement
+    balance = ("trainer.expert_balance.enabled=true", "trainer.expert_balance.every_steps=1",
+               "trainer.expert_balance.min_cv_drop=0.0")
     first = train(_cfg(d, out, "steps=4", "eval_every=100", "stale_sync.max_staleness=1", "checkpoint.every_steps=2",
-                       replay))
+                       replay, *balance))
     P = 32  # data.prompts_per_step of the config
     steps = _steps(out)
     assert first["steps_run"] == 4 and first["staleness_max"] <= 1 and first["samples_dropped"] == 0
@@ -57,6 +61,7 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
     # every group made is trained on once, in the order it was made
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(4)]
     assert first["tokens_per_second"] > 0 and first["seconds_per_step"] > 0
+    assert first["expert_balance_experts_moved"] > 0
     # the checkpoint at step 2 holds the groups generated ahead of it
     state = json.loads((out / "ckpt" / "step_000002" / "driver.json").read_text())["stale_sync"]
     assert len(state["queue"]["groups"]) >= P and state["next_seq"] == state["queue"]["groups"][-1]["seq"] + 1
@@ -66,7 +71,8 @@ def test_staleness_one_generates_ahead_and_resumes_each_group_once(tiny, ray_ses
     # step-2 checkpoint, its queued groups loaded again and the producer rewound to its cursor
     again = tmp_path / "resumed"
     result = train(_cfg(d, again, "steps=4", "eval_every=100", "stale_sync.max_staleness=1",
-                        f"checkpoint.resume={out / 'ckpt' / 'step_000002'}", replay, "chaos.kill_trainer_ranks=[1@4]"))
+                        f"checkpoint.resume={out / 'ckpt' / 'step_000002'}", replay, "chaos.kill_trainer_ranks=[1@4]",
+                        *balance))
     assert result["trainer_restarts"] == 1 and result["steps_redone"] == 1 and result["samples_dropped"] == 0
     lines = _steps(again)
     assert [m["step"] for m in lines] == [3, 3, 4]  # step 3 redone after the restart: the later line counts
