@@ -147,3 +147,44 @@ def plan(prediction: Sequence[Sequence[float]], current: Sequence[Map], ep: int,
     if len(prediction) != len(current):
         raise ValueError(f"{len(prediction)} layers of predictions for {len(current)} expert maps")
     return BalancePlan(tuple(plan_layer(i, row, m, ep, min_cv_drop) for i, (row, m) in enumerate(zip(prediction, current))))
+
+
+def engine_placement(expert_load: Sequence[float], ep: int, redundant: int = 0) -> tuple[int, ...]:
+    """One MoE layer's placement for an EP engine with `redundant` extra physical slots (vLLM EPLB's
+    physical-to-logical map: slot p, on rank p // ((E + R) / ep), holds the logical expert it names). The extra
+    slots go, one at a time, to the expert with the most predicted tokens per replica (the hottest experts are
+    replicated, each replica serving an equal share, at most one per rank); then replicas, heaviest share first,
+    each to the rank with the fewest predicted tokens among those with a free slot (and, where one has, no replica).
+    Slots are listed rank by rank, each rank's by expert id. Deterministic; the planner half of engines that follow
+    the trainer's predictions (the engines do not take it yet: docs/expert_balance.md)."""
+    E, R = len(expert_load), redundant
+    if ep < 1 or R < 0 or (E + R) % ep:
+        raise ValueError(f"{E} experts + {R} redundant slots cannot be split evenly over ep={ep} ranks")
+    if (E + R) // ep > E:
+        raise ValueError(f"{(E + R) // ep} slots per rank for {E} experts: a rank would hold an expert twice")
+    replicas = [1] * E
+    for _ in range(R):  # at most one replica per rank; ties: fewer replicas, then lower id
+        e = max((e for e in range(E) if replicas[e] < ep), key=lambda e: (expert_load[e] / replicas[e], -replicas[e], -e))
+        replicas[e] += 1
+    per = (E + R) // ep
+    load, held = [0.0] * ep, [[] for _ in range(ep)]
+    copies = sorted(((expert_load[e] / replicas[e], e) for e in range(E) for _ in range(replicas[e])),
+                    key=lambda t: (-t[0], t[1]))
+    for share, e in copies:
+        free = [r for r in range(ep) if len(held[r]) < per]
+        apart = [r for r in free if e not in held[r]] or free
+        r = min(apart, key=lambda r: (load[r], r))
+        held[r].append(e)
+        load[r] += share
+    return tuple(e for r in range(ep) for e in sorted(held[r]))
+
+
+def engine_rank_loads(expert_load: Sequence[float], physical: Sequence[int], ep: int) -> list[float]:
+    """Predicted tokens per engine rank under a physical-to-logical map, each expert's tokens split evenly
+    over its replicas (as vLLM's EPLB spreads them)."""
+    count = {e: physical.count(e) for e in set(physical)}
+    per = len(physical) // ep
+    out = [0.0] * ep
+    for p, e in enumerate(physical):
+        out[p // per] += expert_load[e] / count[e]
+    return out

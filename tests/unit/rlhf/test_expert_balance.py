@@ -63,3 +63,50 @@ def test_planner_properties(ep_loads, rnd, min_drop):
     assert {frozenset(e for e in range(E) if g[e] == r) for r in range(ep)} == \
         {frozenset(e for e in range(E) if p.proposed[e] == r) for r in range(ep)}
     assert relabel(current, current, ep) == current
+
+
+def test_engine_placement_replicates_the_hottest_experts_and_evens_the_ranks():
+    """8 experts, 2 redundant slots, 2 engine ranks: the two hottest get a second replica, the ranks' predicted
+    loads come out even, where the default (the first R experts twice, contiguous) leaves them 1:3.5."""
+    from rlhf.expert_balance import engine_placement, engine_rank_loads
+
+    load = [10, 10, 10, 10, 10, 10, 80, 40]
+    phys = engine_placement(load, ep=2, redundant=2)
+    assert len(phys) == 10 and sorted(set(phys)) == list(range(8))
+    assert phys.count(6) == 2 and phys.count(7) == 2  # the hottest replicated
+    assert phys[:5].count(6) == 1 and phys[:5].count(7) == 1  # never two replicas of one expert on a rank
+    assert engine_rank_loads(load, phys, 2) == [90.0, 90.0]
+    default = tuple(range(8)) + (0, 1)  # the engine sharding's default physical map: the first R twice
+    assert engine_rank_loads(load, default, 2) == [40.0, 140.0]
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        engine_placement(load, ep=4, redundant=1)
+    # a map the engines' shard spec takes as vLLM's physical-to-logical map (what the weight sync would send)
+    from pathlib import Path
+
+    from rlhf.config import load_model_config
+    from rlhf.layout import InferenceLayout
+    from rlhf.model.engine_sharding import engine_shard_spec
+
+    cfg = load_model_config(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
+    skew = [float(cfg.num_experts - e) ** 2 for e in range(cfg.num_experts)]
+    spec = engine_shard_spec(cfg, InferenceLayout(tp=1, ep=2, redundant_experts=2),
+                             physical_experts=engine_placement(skew, ep=2, redundant=2))
+    assert len(spec.ranks) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 8), st.randoms(use_true_random=False))
+def test_engine_placement_properties(ep, per_rank, extra, rnd):
+    from rlhf.expert_balance import engine_placement, engine_rank_loads
+
+    E = ep * per_rank
+    R = ep * min(extra % (per_rank + 1), (ep - 1) * per_rank)  # whole extra slots per rank, at most E per rank
+    load = [rnd.choice([0.0, 1.0, 10.0, 1000.0]) for _ in range(E)]
+    phys = engine_placement(load, ep, R)
+    per = (E + R) // ep
+    assert len(phys) == E + R and set(phys) == set(range(E))  # every expert at least once
+    for r in range(ep):  # each rank its slots, no expert twice on a rank
+        slots = phys[r * per:(r + 1) * per]
+        assert len(set(slots)) == len(slots)
+    assert abs(sum(engine_rank_loads(load, phys, ep)) - sum(load)) <= 1e-6 * max(1.0, sum(load))
+    assert engine_placement(load, ep, R) == phys  # deterministic
