@@ -154,7 +154,7 @@ def engine_placement(expert_load: Sequence[float], ep: int, redundant: int = 0) 
     physical-to-logical map: slot p, on rank p // ((E + R) / ep), holds the logical expert it names). The extra
     slots go, one at a time, to the expert with the most predicted tokens per replica (the hottest experts are
     replicated, each replica serving an equal share, at most one per rank); then replicas, heaviest share first,
-    each to the rank with the fewest predicted tokens among those with a free slot (and, where one has, no replica).
+    each to the rank with the fewest predicted tokens among those with a free slot, preferring ranks without a replica.
     Slots are listed rank by rank, each rank's by expert id. Deterministic; the planner half of engines that follow
     the trainer's predictions (the engines do not take it yet: docs/expert_balance.md)."""
     E, R = len(expert_load), redundant
