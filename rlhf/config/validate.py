@@ -86,9 +86,10 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.pp", t.pp, f"cannot exceed model.num_hidden_layers={m.num_hidden_layers}"))
     p += fit_problems(m, "trainer", t.tp, t.ep, t.experts_over_tp_ep)
     p += fit_problems(m, "rollout", r.tp, r.ep, engine=True)
+    layout = None
     if t.pp > 0 and t.dp > 0 and t.tp > 0 and t.ep > 0:
         try:
-            trainer_layout(t)
+            layout = trainer_layout(t)
         except ValueError as e:
             p.append(Problem("trainer.ep", t.ep, str(e)))
     for bad in set(t.recompute) - {"attention", "experts", "norms"}:
@@ -175,8 +176,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
                              "weight on the past)"))
         if b.min_cv_drop < 0:
             p.append(Problem("trainer.expert_balance.min_cv_drop", b.min_cv_drop, "must be >= 0"))
-        shards = t.ep * (t.tp if t.experts_over_tp_ep else 1)
-        if shards < 2:
+        if layout is not None and layout.expert_shards < 2:
             p.append(Problem("trainer.expert_balance.enabled", b.enabled, "moves experts between expert-parallel "
                              f"ranks; trainer ep={t.ep} has one shard of experts: set trainer.ep > 1 or disable it"))
     if t.lr_warmup_steps < 0:

@@ -349,6 +349,6 @@ def async_step(run: Run, queue: DistQueue, producer: Producer, step: int) -> Non
     extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
               "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
               "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
-              "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.route_metrics
+              "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.metrics
     run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
                time.time() - t_step, extra)

@@ -56,4 +56,4 @@ def run_step(run: Run, step: int) -> None:
     run.checkpoint(step)
     parity = logprob_parity(learned.old_logp, learned.batch.rollout_logp_BT, learned.batch.mask_BT)
     run.record(step, ro, learned.batch, learned.entropy, parity, learned.updates, learned.sync, acc,
-               time.time() - t_step, learned.route_metrics)
+               time.time() - t_step, learned.metrics)

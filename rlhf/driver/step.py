@@ -30,8 +30,9 @@ class Learned:
     entropy: torch.Tensor
     updates: list
     sync: SyncReplies
-    route_metrics: dict  # route/* (with engine routes in the batch): how often the trainer's routing differs;
-    # balance/*: how even the DP ranks' predicted work is
+    # route/* (with engine routes in the batch): how often the trainer's routing differs; balance/*: how even the
+    # DP ranks' predicted work is
+    metrics: dict
 
 
 def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:

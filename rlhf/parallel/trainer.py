@@ -368,10 +368,8 @@ class ParallelTrainer:
             raise ValueError(f"{len(new)} expert maps for {self.moe_layers} MoE layers")
         for m in new:
             check_expert_map(m, self.cfg.num_experts, self.layout.expert_shards)
-        old = self.expert_maps
-        mine = [i - self.cfg.first_k_dense_layers for i in self.stages[self.stage]
-                if i >= self.cfg.first_k_dense_layers and new[i - self.cfg.first_k_dense_layers] != old[
-                    i - self.cfg.first_k_dense_layers]]
+        old, first = self.expert_maps, self.cfg.first_k_dense_layers
+        mine = [j for j in (i - first for i in self.stages[self.stage] if i >= first) if new[j] != old[j]]
         out = {"experts_moved": sum(a != b for j in mine for a, b in zip(old[j], new[j])), "bytes_sent": 0}
         if not mine:
             self.expert_maps = new
