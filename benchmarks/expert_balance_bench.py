@@ -138,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ratio", type=float, default=2.0,
                         help="busiest EP rank over the mean under the contiguous map (at most 0.95 ep is asked)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: time at least one update step")
 
     import torch
 
+    from rlhf.layout import default_expert_map
     from rlhf.model.hf_io import save_pretrained
     from rlhf.parallel.launch import run_ranks
 
@@ -154,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 model(b.input_ids_BT, b.attention_mask_BT)
             loads = [layer.mlp.last_tokens_per_expert.double().tolist() for layer in model.model.layers]
-            from rlhf.layout import default_expert_map
-
             contiguous = [default_expert_map(8, ep)] * len(loads)
             if rank_load_ratio(loads, contiguous, ep) >= target:
                 break
