@@ -172,10 +172,26 @@ def engine_placement(expert_load: Sequence[float], ep: int, redundant: int = 0) 
                     key=lambda t: (-t[0], t[1]))
     for share, e in copies:
         free = [r for r in range(ep) if len(held[r]) < per]
-        apart = [r for r in free if e not in held[r]] or free
-        r = min(apart, key=lambda r: (load[r], r))
-        held[r].append(e)
-        load[r] += share
+        apart = [r for r in free if e not in held[r]]
+        if apart:
+            r = min(apart, key=lambda r: (load[r], r))
+            held[r].append(e)
+            load[r] += share
+            continue
+        # Every rank with a free slot holds e already: a full rank without e (one exists, replicas <= ep) hands
+        # one of its experts the free rank lacks (one exists, the free rank holds fewer) over and takes e.
+        def after(move):
+            r, r2, f = move
+            s = expert_load[f] / replicas[f]
+            return (max(load[r] + s, load[r2] - s + share), r, r2, f)
+        r, r2, f = min(((r, r2, f) for r in free for r2 in range(ep) if e not in held[r2]
+                        for f in held[r2] if f not in held[r]), key=after)
+        s = expert_load[f] / replicas[f]
+        held[r2].remove(f)
+        held[r2].append(e)
+        held[r].append(f)
+        load[r] += s
+        load[r2] += share - s
     return tuple(e for r in range(ep) for e in sorted(held[r]))
 
 

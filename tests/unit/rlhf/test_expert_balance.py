@@ -110,3 +110,14 @@ def test_engine_placement_properties(ep, per_rank, extra, rnd):
         assert len(set(slots)) == len(slots)
     assert abs(sum(engine_rank_loads(load, phys, ep)) - sum(load)) <= 1e-6 * max(1.0, sum(load))
     assert engine_placement(load, ep, R) == phys  # deterministic
+
+
+@pytest.mark.parametrize("load", [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 5.0]])
+def test_engine_placement_never_puts_an_expert_twice_on_a_rank(load):
+    # Regression (CI): equal loads on ep 3 with one extra slot per rank once left both copies of an expert on
+    # the last free rank; the placement now hands the last copy to a full rank in exchange for one of its experts.
+    from rlhf.expert_balance import engine_placement
+
+    phys = engine_placement(load, ep=3, redundant=3)
+    assert len(phys) == 6 and set(phys) == {0, 1, 2}
+    assert all(len(set(phys[r * 2:r * 2 + 2])) == 2 for r in range(3)), phys
