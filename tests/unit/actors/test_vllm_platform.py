@@ -1,0 +1,43 @@
+"""What an engine's processes leave behind when they are killed, and who removes it."""
+
+import os
+import stat
+import subprocess
+import sys
+
+from actors import vllm_platform
+from actors.vllm_platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remove_leftover_shm
+
+
+def test_socket_dirs_of_dead_processes_go_and_live_ones_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_platform.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    gone = ipc_dir(int(dead.stdout))
+    gone.mkdir()
+    (gone / "a-socket").touch()
+    mine = ipc_dir()
+    mine.mkdir()
+    other = tmp_path / f"{IPC_PREFIX}not-a-pid"
+    other.mkdir()
+    assert remove_dead_ipc_dirs() == [gone.name]
+    assert not gone.exists() and mine.exists() and other.exists()
+    assert mine == tmp_path / f"{IPC_PREFIX}{os.getpid()}"
+
+
+def test_leftover_segments_of_one_engine_only(tmp_path):
+    for name in ("eng1-a", "eng1-b", "eng10-a", "other"):
+        (tmp_path / name).touch()
+    assert sorted(remove_leftover_shm(["eng1"], shm_dir=str(tmp_path))) == ["eng1-a", "eng1-b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng10-a", "other"]
+
+
+def test_the_platform_points_vllm_sockets_into_the_process_dir(tmp_path, monkeypatch):
+    from rlhf.schema import DeviceType, RolloutConfig
+
+    monkeypatch.setattr(vllm_platform.tempfile, "gettempdir", lambda: str(tmp_path))
+    for key in ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
+                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
+        monkeypatch.delenv(key, raising=False)
+    vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig())
+    assert os.environ["VLLM_RPC_BASE_PATH"] == str(ipc_dir()) and stat.S_ISDIR(os.stat(ipc_dir()).st_mode)
