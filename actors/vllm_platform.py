@@ -19,13 +19,14 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 60.0  # how long vLLM's processes may take to exit cleanly on close
 IPC_PREFIX = "rlhf-vllm-ipc-"  # + the pid of the process that hosts the engine
+TEMP_BASE = tempfile.gettempdir()  # the machine's temp directory, as this process found it on import
 
 
 def ipc_dir(pid: int | None = None) -> Path:
     """Where the engines of process `pid` (and their engine-core and worker processes, which inherit the
     environment) bind their ZeroMQ sockets: one directory per hosting process, removed when its last
     engine closes or, if the process was killed, by the next engine started on the machine."""
-    return Path(tempfile.gettempdir()) / f"{IPC_PREFIX}{os.getpid() if pid is None else pid}"
+    return Path(TEMP_BASE) / f"{IPC_PREFIX}{os.getpid() if pid is None else pid}"
 
 
 def remove_dead_ipc_dirs() -> list[str]:
@@ -40,7 +41,7 @@ def remove_dead_ipc_dirs() -> list[str]:
         return True
 
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}*"):
+    for path in Path(TEMP_BASE).glob(f"{IPC_PREFIX}*"):
         pid = path.name[len(IPC_PREFIX):]
         if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
@@ -60,6 +61,8 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     remove_dead_ipc_dirs()
     ipc_dir().mkdir(exist_ok=True)
     os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
+    if own_process:  # vLLM's other temp files (a file store per engine, never removed) go there as well
+        os.environ["TMPDIR"] = tempfile.tempdir = str(ipc_dir())
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process

@@ -10,7 +10,7 @@ from actors.vllm_platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remo
 
 
 def test_socket_dirs_of_dead_processes_go_and_live_ones_stay(tmp_path, monkeypatch):
-    monkeypatch.setattr(vllm_platform.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     gone = ipc_dir(int(dead.stdout))
@@ -35,9 +35,23 @@ def test_leftover_segments_of_one_engine_only(tmp_path):
 def test_the_platform_points_vllm_sockets_into_the_process_dir(tmp_path, monkeypatch):
     from rlhf.schema import DeviceType, RolloutConfig
 
-    monkeypatch.setattr(vllm_platform.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
     for key in ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
                 "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
         monkeypatch.delenv(key, raising=False)
     vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig())
     assert os.environ["VLLM_RPC_BASE_PATH"] == str(ipc_dir()) and stat.S_ISDIR(os.stat(ipc_dir()).st_mode)
+    assert "TMPDIR" not in os.environ or os.environ["TMPDIR"] != str(ipc_dir())  # this process is not the engine's
+
+
+def test_an_engine_process_of_its_own_keeps_all_of_vllm_temp_files_in_its_dir(tmp_path, monkeypatch):
+    from rlhf.schema import DeviceType, RolloutConfig
+
+    monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
+    monkeypatch.setattr(vllm_platform.tempfile, "tempdir", vllm_platform.tempfile.tempdir)
+    for key in ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
+                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "TMPDIR"):
+        monkeypatch.delenv(key, raising=False)
+    vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig(), own_process=True)
+    assert os.environ["TMPDIR"] == vllm_platform.tempfile.gettempdir() == str(ipc_dir())
+    assert ipc_dir().parent == tmp_path  # computed from the machine's temp dir, not the redirected one
