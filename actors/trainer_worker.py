@@ -29,6 +29,18 @@ from rlhf.parallel.trainer import ParallelTrainer
 from rlhf.layout import trainer_layout
 
 
+def _node_id() -> str:
+    """This process's Ray node (nodes of a test cluster share a host), or its host outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        import socket
+
+        return socket.gethostname()
+
+
 class PolicyWorker:
     """A rank of a sharded policy that computes per-token logprobs (the reference role)."""
 
@@ -51,8 +63,18 @@ class PolicyWorker:
         t0 = time.time()
         init_process_group(self.rank, self.layout.world_size, master_addr, master_port, self.device_type.value,
                            self.tcfg.backend.value, self.tcfg.collective_timeout_s)
-        self.trainer = ParallelTrainer(self.model_cfg, self.tcfg, self.layout, self.rank, self.model_dir)
-        return {"rank": self.rank, "seconds": time.time() - t0}
+        per_node = None
+        if self.tcfg.hierarchical_ep:  # the Ray node of every rank, in rank order
+            import torch.distributed as dist
+
+            from rlhf.parallel.dispatch import ranks_per_node
+
+            nodes: list = [None] * self.layout.world_size
+            dist.all_gather_object(nodes, _node_id())
+            per_node = ranks_per_node(nodes)
+        self.trainer = ParallelTrainer(self.model_cfg, self.tcfg, self.layout, self.rank, self.model_dir,
+                                       ranks_per_node=per_node, hierarchical_ep=self.tcfg.hierarchical_ep)
+        return {"rank": self.rank, "seconds": time.time() - t0, "ranks_per_node": per_node}
 
     @property
     def _returns_rows(self) -> bool:

@@ -268,6 +268,10 @@ class TrainerConfig:
     tp: int = 1
     ep: int = 1
     experts_over_tp_ep: bool = False  # split experts over tp x ep instead of ep alone
+    # The expert all-to-all in two hops when the EP group spans nodes: a token crosses to each remote node
+    # once, then fans out inside it (bit-identical to the flat one; fewer inter-node bytes, docs/trainer.md).
+    # The nodes are the Ray nodes the trainer ranks run on.
+    hierarchical_ep: bool = False
     # 1: AdamW state sharded over a parameter's replicas (ZeRO-1); 3: the parameters too, gathered per
     # module on use (ZeRO-3 / FSDP2 layout; docs/trainer.md)
     zero_stage: int = 1

@@ -166,6 +166,10 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.router_bias_update_rate", t.router_bias_update_rate, "moves a sigmoid router's "
                          f"correction bias; model {cfg.model.name} has a {cfg.model.router_scoring.value} router "
                          "with none: set it to 0"))
+    if t.hierarchical_ep and layout is not None and layout.expert_shards < 2:
+        p.append(Problem("trainer.hierarchical_ep", t.hierarchical_ep, "splits the expert all-to-all into an "
+                         f"inter-node and an intra-node hop; trainer ep={t.ep} has none: set trainer.ep > 1 or "
+                         "set it to false"))
     b = t.expert_balance
     if b.enabled:
         if b.every_steps < 1:

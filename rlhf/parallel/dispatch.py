@@ -45,6 +45,19 @@ class DispatchStats:
             self.forward_inter_node += inter
 
 
+def ranks_per_node(nodes: list[str]) -> int:
+    """The ranks per node of a group whose rank r runs on node `nodes[r]`: the dispatchers number nodes in
+    equal blocks of consecutive ranks; any other arrangement is refused, naming it."""
+    n = len(nodes)
+    block = next((i for i in range(1, n) if nodes[i] != nodes[0]), n)
+    blocks = [nodes[i:i + block] for i in range(0, n, block)]
+    if n % block or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise ValueError(f"trainer.hierarchical_ep needs the trainer ranks on their nodes in equal blocks of "
+                         f"consecutive ranks; their nodes by rank are {nodes}: place the trainer so (the "
+                         f"placement file's devices in node order) or set trainer.hierarchical_ep=false")
+    return block
+
+
 class Dispatcher:
     """Sends each (token, chosen expert) pair to the EP rank holding the expert and returns the
     expert's output for every pair: run(x_SH, shard_Sk, local_Sk, expert_fn) -> y [S * k, H], row

@@ -48,6 +48,7 @@ class TrainerChoice:
     zero_stage: int = 1
     recompute: bool = False  # attention and experts recomputed in backward
     micro_batch_tokens: int = 4096
+    hierarchical_ep: bool = False  # the expert all-to-all in two hops (inter-node once per node, then inside)
 
     # world and expert_shards are rlhf.layout.Layout's rules, inlined: the search reads them per candidate
     @property
@@ -61,7 +62,8 @@ class TrainerChoice:
     def __str__(self) -> str:
         lay = Layout(self.pp, self.dp, self.tp, self.ep, self.experts_over_tp_ep)
         return (f"{lay}" + (f" zero{self.zero_stage}" if self.zero_stage != 1 else "")
-                + (" recompute" * self.recompute) + f" mb{self.micro_batch_tokens}")
+                + (" recompute" * self.recompute) + f" mb{self.micro_batch_tokens}"
+                + (" hierarchical-ep" * self.hierarchical_ep))
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,32 @@ def trainer_params(mc: ModelCost, t: TrainerChoice) -> tuple[float, float]:
     return dense, expert
 
 
+def ep_all_to_all_seconds(hw: Hardware, t: TrainerChoice, first_device: int, act: float, top_k: int) -> float:
+    """One all-to-all of a micro-batch's token rows (`act` bytes, each row going to `top_k` experts, routing
+    taken as uniform) over the EP group (`expert_shards` consecutive ranks): its members on the same node
+    exchange over the node's link, the others over the slowest link the group crosses. Flat: every (token,
+    expert) row goes straight to its member. Hierarchical (`t.hierarchical_ep`): a token crosses once to each
+    remote node holding any of its experts, then every row whose member is not the receiving one takes a hop
+    inside that node."""
+    tokens = act / (t.tp if t.experts_over_tp_ep else 1)  # experts over tp x ep: each TP rank sends its share
+    rows = tokens * top_k  # bytes of (token, expert) rows one rank sends
+    n = t.expert_shards
+    outer_level = hw.level_between(n, first_device)
+    nodes = 1 if outer_level == "node" else math.ceil(n / hw.devices_per_node)
+    local = max(1, n // nodes)  # EP members per node
+    inner, outer = hw.link("node"), hw.link(outer_level)
+    if nodes == 1:
+        return inner.seconds(rows * (n - 1) / n, n - 1)
+    if not t.hierarchical_ep:
+        return inner.seconds(rows * (local - 1) / n, local - 1) + outer.seconds(rows * (n - local) / n, n - local)
+    remote_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** top_k)  # distinct remote nodes a token reaches
+    return outer.seconds(tokens * remote_nodes, nodes - 1) + inner.seconds(rows * (local - 1) / local, local - 1)
+
+
 def _trainer_levels(hw: Hardware, t: TrainerChoice, first_device: int) -> tuple[str, str, str, str]:
     """Links of the tp, ep, dp and pp groups (ranks: tp fastest, then dp, then pp)."""
     tp = hw.level_between(t.tp, first_device)
-    ep = hw.level_between(t.ep * t.tp if t.ep > 1 else 1, first_device)
+    ep = hw.level_between(t.expert_shards, first_device)  # the EP group: expert_shards consecutive ranks
     dp = hw.level_between(t.dp * t.tp, first_device)
     pp = hw.level_between(t.world, first_device)
     return tp, ep, dp, pp
@@ -183,7 +207,7 @@ def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_devi
     peak = hw.flops(dtype)
     skew = w.expert_load_skew if t.expert_shards > 1 else 1.0
     compute = mult * (flops_dense + flops_expert * skew / hw.grouped_matmul_efficiency) / (t.world * peak)
-    tp_l, ep_l, dp_l, pp_l = _trainer_levels(hw, t, first_device)
+    tp_l, _, dp_l, pp_l = _trainer_levels(hw, t, first_device)
     layers = mc.layers / t.pp
     moe = mc.moe_layers / t.pp
     dirs = 2.0 if backward else 1.0
@@ -192,8 +216,7 @@ def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_devi
     if t.tp > 1:  # two all-reduces per layer forward, two backward
         comm += micro * hw.link(tp_l).seconds(2 * dirs * layers * _ring(act, t.tp), 2 * dirs * layers * 2 * (t.tp - 1))
     if t.ep > 1:  # dispatch and combine all-to-all per MoE layer (each direction)
-        a2a = act * mc.top_k * (t.ep - 1) / t.ep / (t.tp if t.experts_over_tp_ep else 1)
-        comm += micro * hw.link(ep_l).seconds(2 * dirs * moe * a2a, 2 * dirs * moe * (t.ep - 1))
+        comm += micro * 2 * dirs * moe * ep_all_to_all_seconds(hw, t, first_device, act, mc.top_k)
     if t.pp > 1:  # activations to the next stage (and gradients back), plus the 1F1B bubble
         comm += micro * hw.link(pp_l).seconds(dirs * act, dirs)
         compute *= 1.0 + (t.pp - 1) / per_group

@@ -27,7 +27,7 @@ def candidate_of(cfg: RunConfig) -> Candidate:
     dm = device_map(cfg)
     td, rd = set(dm.devices_of("trainer")), set(dm.devices_of("rollout"))
     return Candidate(TrainerChoice(t.pp, t.dp, t.tp, t.ep, t.experts_over_tp_ep, t.zero_stage, bool(t.recompute),
-                                   t.micro_batch_tokens),
+                                   t.micro_batch_tokens, t.hierarchical_ep),
                      EngineChoice(r.tp, r.ep, r.num_engines), colocated=bool(td & rd), trainer_devices=len(td),
                      rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness)
 
@@ -104,7 +104,7 @@ def write_config(cfg: RunConfig, c: Candidate, hw: Hardware, out: str | Path) ->
     t = c.trainer
     run["trainer"].update(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep,
                           zero_stage=t.zero_stage, micro_batch_tokens=t.micro_batch_tokens,
-                          recompute=list(RECOMPUTE_ALL) if t.recompute else [])
+                          recompute=list(RECOMPUTE_ALL) if t.recompute else [], hierarchical_ep=t.hierarchical_ep)
     run["rollout"].update(tp=c.engines.tp, ep=c.engines.ep, num_engines=c.engines.engines)
     run["stale_sync"]["max_staleness"] = c.staleness
     if c.staleness and not run["algorithm"]["tis_cap"]:

@@ -1,4 +1,5 @@
-"""The search: training layouts (pp, dp, tp, ep, experts over tp x ep, ZeRO stage, recompute, micro-batch),
+"""The search: training layouts (pp, dp, tp, ep, experts over tp x ep, ZeRO stage, recompute, micro-batch, the
+hierarchical expert all-to-all where the EP group spans nodes),
 inference layouts (tp, ep, engines, redundant experts) and placements (co-located, disaggregated with every
 split of the devices at node granularity, staleness bounds) on a number of devices, ranked by tokens/s.
 
@@ -69,7 +70,9 @@ def trainer_layouts(m: ModelConfig, devices: int, per_node: int, space: SearchSp
                             continue
                         for rc in space.recompute:
                             for mb in space.micro_batch_tokens:
-                                yield TrainerChoice(pp, dp, tp, ep, over, zero, rc, mb)
+                                # the two-hop all-to-all only where the EP group spans nodes
+                                for hier in (False, True) if shards > 1 and shards > per_node else (False,):
+                                    yield TrainerChoice(pp, dp, tp, ep, over, zero, rc, mb, hier)
 
 
 def engine_layouts(m: ModelConfig, devices: int, per_node: int, space: SearchSpace):

@@ -4,7 +4,8 @@ through RAY_ADDRESS as `ray job submit`'s driver does, against the one-node run 
 (a) disaggregated: the trainer on node 0, the engine and the reward worker on node 1, so the weight sync
     crosses nodes over the transport (gloo), never shared memory;
 (b) co-located with one device per node: the trainer's two ranks on different nodes (data-parallel
-    reductions and the expert all-to-all cross nodes), each engine beside one of them.
+    reductions and the expert all-to-all cross nodes, the latter in two hops: trainer.hierarchical_ep), each
+    engine beside one of them.
 
 Every metric that does not measure time or bandwidth equals the one-node run's, step by step, and the
 held-out accuracy history is the same. What it guards: a change that assumes one host (shared memory
@@ -106,7 +107,10 @@ def _metrics(out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("config,spread", [
     ("tiny_cpu_disaggregated.yaml", ["placement.nodes=2", "placement.devices_per_node=2"]),
-    ("tiny_cpu.yaml", ["placement.nodes=2", "placement.devices_per_node=1", "placement.cpus_per_device=2"]),
+    # the trainer's expert all-to-all in two hops across the nodes (trainer.hierarchical_ep): bit-identical to
+    # the one-node run's flat one
+    ("tiny_cpu.yaml", ["placement.nodes=2", "placement.devices_per_node=1", "placement.cpus_per_device=2",
+                       "trainer.hierarchical_ep=true"]),
 ], ids=["disaggregated", "colocated-one-device-per-node"])
 def test_two_nodes_give_the_one_node_run(cluster, tiny, ray_session, tmp_path, config, spread):
     d, _ = tiny

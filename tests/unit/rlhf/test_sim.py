@@ -225,3 +225,45 @@ def test_hardware_files_ship_and_unknown_names_list_them(tmp_path):
         load_hardware(bad)
     with pytest.raises(ConfigError, match="no tflops.float16"):
         hardware_from_dict(HW).flops("float16")
+
+
+def test_expert_all_to_all_by_link_level_and_the_hierarchical_one_crosses_nodes_less():
+    from rlhf.sim.cost import ep_all_to_all_seconds
+
+    hw = hardware_from_dict(HW)  # 4 devices per node: node link 100 GB/s 1 us, across nodes 10 GB/s 5 us
+    act, k = 1e6, 8
+    # inside one node: (ep - 1) / ep of the rows over the node's link, one message per peer
+    one = ep_all_to_all_seconds(hw, TrainerChoice(dp=4, ep=4), 0, act, k)
+    assert one == pytest.approx(3 * 1e-6 + act * k * 3 / 4 / 100e9)
+    # over 2 nodes (ep 8): flat, 3/8 of the rows inside the node, 4/8 across
+    flat = ep_all_to_all_seconds(hw, TrainerChoice(dp=8, ep=8), 0, act, k)
+    assert flat == pytest.approx(3 * 1e-6 + act * k * 3 / 8 / 100e9 + 4 * 5e-6 + act * k * 4 / 8 / 10e9)
+    # hierarchical: a token crosses once to the other node if any of its 8 experts is there (1 - 1/2^8), then
+    # 3 of every 4 rows hop inside the node
+    hier = ep_all_to_all_seconds(hw, TrainerChoice(dp=8, ep=8, hierarchical_ep=True), 0, act, k)
+    assert hier == pytest.approx(5e-6 + act * (1 - 0.5 ** 8) / 10e9 + 3 * 1e-6 + act * k * 3 / 4 / 100e9)
+    assert hier < flat
+    # inside one node the two are the same all-to-all
+    assert ep_all_to_all_seconds(hw, TrainerChoice(dp=4, ep=4, hierarchical_ep=True), 0, act, k) == one
+
+
+def test_search_tries_the_hierarchical_all_to_all_only_where_ep_spans_nodes():
+    from rlhf.sim.search import trainer_layouts
+
+    m = tiny_cfg().model
+    choices = list(trainer_layouts(m, 8, 4, SearchSpace(micro_batch_tokens=(4096,), zero_stages=(1,),
+                                                        recompute=(False,))))
+    hier = [c for c in choices if c.hierarchical_ep]
+    assert hier and all(c.expert_shards > 4 for c in hier)
+    assert {replace(c, hierarchical_ep=False) for c in hier} <= set(choices)  # each beside its flat twin
+    assert not [c for c in trainer_layouts(m, 4, 4, SearchSpace()) if c.hierarchical_ep]
+
+
+def test_a_written_configuration_keeps_the_hierarchical_all_to_all(tmp_path):
+    from rlhf.sim.report import candidate_of, write_config
+
+    cfg = tiny_cfg("trainer.hierarchical_ep=true")
+    c = candidate_of(cfg)
+    assert c.trainer.hierarchical_ep
+    write_config(cfg, c, hardware_from_dict(HW), tmp_path)
+    assert load_run_config(tmp_path / "run.yaml").trainer.hierarchical_ep

@@ -57,3 +57,10 @@ def test_expert_balance_settings_are_checked_and_need_expert_parallel_ranks():
     with pytest.raises(ConfigError, match="trainer ep=1 has one shard of experts: set trainer.ep > 1"):
         load_run_config(tiny, ["trainer.expert_balance.enabled=true", "trainer.ep=1"])
     assert not load_run_config(tiny, ["trainer.ep=1"]).trainer.expert_balance.enabled  # off: nothing checked
+
+
+def test_the_hierarchical_all_to_all_needs_expert_parallel_ranks():
+    tiny = PANGU.parent / "tiny_cpu.yaml"  # trainer dp2 x ep2
+    assert load_run_config(tiny, ["trainer.hierarchical_ep=true"]).trainer.hierarchical_ep
+    with pytest.raises(ConfigError, match="trainer.hierarchical_ep = True: .* trainer ep=1 has none: set trainer.ep > 1"):
+        load_run_config(tiny, ["trainer.hierarchical_ep=true", "trainer.ep=1"])
