@@ -370,9 +370,10 @@ class WeightUpdateExtension:
         from weight_sync.pieces import assemble, buffer_region
 
         t0 = time.perf_counter()
-        _, spec, mine = self._rlhf_sync[1:]
+        sync, spec, mine = self._rlhf_sync[1:]
+        moved = self._rlhf_follow_placement(sync)
         if self._rlhf_staging is None:
-            return {"tensors": 0, "seconds": 0.0}
+            return {"tensors": 0, "seconds": 0.0, "layers_replaced": moved}
         shapes, region = spec.shapes(), buffer_region(self._rlhf_staging)
         by_param: dict[str, list] = {}
         for p in mine.pieces:
@@ -391,7 +392,49 @@ class WeightUpdateExtension:
                 yield name, torch.zeros(shapes[name], dtype=getattr(torch, spec.dtype))
 
         n = self._rlhf_reload(weights())
-        return {"tensors": n, "seconds": time.perf_counter() - t0}
+        return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved}
+
+    def rlhf_expert_placement(self) -> dict[int, list[int]]:
+        """MoE layer -> the global expert in each of this worker's local slots (what the kernels use now)."""
+        import re
+
+        out = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            manager = getattr(module, "expert_map_manager", None)
+            layer = re.search(r"layers\.(\d+)\.", name)
+            if manager is not None and manager.expert_map is not None and layer is not None:
+                emap = manager.expert_map.tolist()
+                local = {slot: e for e, slot in enumerate(emap) if slot >= 0}
+                out.setdefault(int(layer.group(1)), [local[i] for i in range(len(local))])
+        return out
+
+    def _rlhf_follow_placement(self, sync) -> int:
+        """Give every MoE layer of this worker the expert placement the sync was planned for (`SyncLayout.
+        engine_physical`: the trainer's load predictions, docs/expert_balance.md): each layer's global -> local
+        expert map, changed in place (the kernels and vLLM's loaders read that tensor), right before the
+        install writes every expert into its new slot. Only after the whole sync arrived intact on every
+        worker: a rejected sync leaves the placement and the weights as they were. Returns the layers changed."""
+        import re
+
+        physical = sync.engine_physical()
+        if not physical:
+            return 0
+        ep, rank = sync.engines.ep, self.rlhf_engine_rank()
+        changed, seen = 0, set()
+        for name, module in self.model_runner.get_model().named_modules():
+            manager = getattr(module, "expert_map_manager", None)
+            layer = re.search(r"layers\.(\d+)\.", name)
+            if manager is None or manager.expert_map is None or id(manager) in seen or layer is None:
+                continue
+            seen.add(id(manager))
+            slots = physical[int(layer.group(1))]
+            per = len(slots) // ep
+            want = torch.full_like(manager.expert_map, -1)
+            want[list(slots[rank * per:(rank + 1) * per])] = torch.arange(per, dtype=want.dtype)
+            if not torch.equal(want, manager.expert_map):
+                manager.expert_map.copy_(want)
+                changed += 1
+        return changed
 
     def rlhf_link_probe(self, peer: int, nbytes: int, rounds: int, receiver: int) -> float | None:
         """On the worker of transfer rank `receiver`: receive `rounds` messages of `nbytes` from transfer rank

@@ -204,3 +204,19 @@ def engine_rank_loads(expert_load: Sequence[float], physical: Sequence[int], ep:
     for p, e in enumerate(physical):
         out[p // per] += expert_load[e] / count[e]
     return out
+
+
+def engine_plan(prediction: Sequence[Sequence[float]], current: Sequence[Sequence[int]], ep: int,
+                min_cv_drop: float = 0.08) -> tuple[tuple[int, ...], ...]:
+    """The engines' placement per MoE layer (no redundant slots) from the predicted loads [layers, experts]:
+    a layer takes `engine_placement` when it lowers the coefficient of variation of predicted tokens per
+    engine rank by at least `min_cv_drop`, and keeps `current` (the logical expert of each slot) otherwise."""
+    if len(prediction) != len(current):
+        raise ValueError(f"{len(prediction)} layers of predictions for {len(current)} engine placements")
+    out = []
+    for load, now in zip(prediction, current):
+        new = engine_placement(load, ep)
+        before = coefficient_of_variation(engine_rank_loads(load, now, ep))
+        after = coefficient_of_variation(engine_rank_loads(load, new, ep))
+        out.append(new if new != tuple(now) and before - after >= min_cv_drop else tuple(now))
+    return tuple(out)

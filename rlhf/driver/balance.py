@@ -38,8 +38,9 @@ class ExpertBalancing:
         """Expert-parallel load balancing (trainer.expert_balance, docs/expert_balance.md): every `every_steps`
         steps each MoE layer's placement is planned from the load prediction (`rlhf.expert_balance.plan`);
         when a layer's plan pays (min_cv_drop), every trainer rank moves its experts with their optimizer
-        state, and the weight-sync plan is rebuilt for the trainer's new maps (the engines keep theirs). Its
-        metrics join the step's expert_load/*."""
+        state; engines with ep > 1 take a placement planned from the same prediction the same way
+        (`rlhf.expert_balance.engine_plan`), installed with the next sync; the weight-sync plan is rebuilt for
+        both sides' new maps. Its metrics join the step's expert_load/*."""
         b = self.cfg.trainer.expert_balance
         if not b.enabled or step % b.every_steps or self.load_prediction is None:
             return
@@ -50,13 +51,20 @@ class ExpertBalancing:
                  b.min_cv_drop)
         m = p.metrics() | {"time/expert_balance_plan": time.time() - t0, "expert_balance/bytes_moved": 0,
                            "time/expert_balance_sync_plan": 0.0}
+        engines = self._engine_placement_plan(b.min_cv_drop)
+        if engines is not None:
+            before = self.current_engine_experts()
+            m["expert_balance/engine_layers_replaced"] = sum(a != b for a, b in zip(before, engines))
         if p.experts_moved:
             with self.phase("expert migration", step):
                 replies = self.roles.all(self.roles.trainer, "migrate_experts", p.maps)
+            m["expert_balance/bytes_moved"] = sum(r["bytes_sent"] for r in replies)
+        if p.experts_moved or m.get("expert_balance/engine_layers_replaced"):
             t1 = time.time()
-            self._set_expert_maps(p.maps)
-            m |= {"expert_balance/bytes_moved": sum(r["bytes_sent"] for r in replies),
-                  "time/expert_balance_sync_plan": time.time() - t1}
+            # the engines take their new placement when they install the next sync (the whole model is sent)
+            self._set_expert_maps(p.maps if p.experts_moved else self.expert_maps,
+                                  engines if m.get("expert_balance/engine_layers_replaced") else self.engine_experts)
+            m["time/expert_balance_sync_plan"] = time.time() - t1
             moved = [lp for lp in p.layers if lp.migrate]
             self.log(f"step {step}: expert balance: {len(moved)} MoE layers migrated, {p.experts_moved} experts "
                      f"moved ({m['expert_balance/bytes_moved'] / 1e6:.1f} MB with their AdamW moments); predicted "
@@ -64,13 +72,31 @@ class ExpertBalancing:
                                                       for lp in moved))
         self.load_metrics |= m
 
-    def _set_expert_maps(self, maps: Optional[tuple]) -> None:
-        """The trainer's expert maps changed (a migration, or a checkpoint restored): the weight sync's source
-        spec and plan follow them (plan time is in time/expert_balance_sync_plan)."""
-        if maps == self.expert_maps:
+    def current_engine_experts(self) -> tuple[tuple[int, ...], ...]:
+        """The logical expert of every physical slot of the engines, per MoE layer."""
+        if self.engine_experts is not None:
+            return self.engine_experts
+        m = self.cfg.model
+        return tuple(tuple(v) for _, v in sorted(self.inputs.sync.engine_physical().items())) or (
+            (tuple(range(m.num_experts)),) * (m.num_hidden_layers - m.first_k_dense_layers))
+
+    def _engine_placement_plan(self, min_cv_drop: float) -> Optional[tuple]:
+        """The engines' placement from the same predictions (engines with ep > 1 and no redundant slots: vLLM's
+        EPLB places those), or None where the engines do not follow."""
+        lay = self.inputs.sync.engines
+        if lay.ep == 1 or lay.redundant_experts:
+            return None
+        from rlhf.expert_balance import engine_plan
+
+        return engine_plan(self.load_prediction, self.current_engine_experts(), lay.ep, min_cv_drop)
+
+    def _set_expert_maps(self, maps: Optional[tuple], engine_experts: Optional[tuple] = None) -> None:
+        """The trainer's expert maps or the engines' placement changed (a migration, or a checkpoint restored):
+        the weight sync's specs and plan follow them (plan time is in time/expert_balance_sync_plan)."""
+        if maps == self.expert_maps and engine_experts == self.engine_experts:
             return
-        self.expert_maps = maps
-        sync = replace(self.inputs.sync, expert_maps=maps)
+        self.expert_maps, self.engine_experts = maps, engine_experts
+        sync = replace(self.inputs.sync, expert_maps=maps, engine_experts=engine_experts)
         self.inputs = replace(self.inputs, sync=sync, plan=sync.plan())
         if self.roles is not None:
             self.roles.sync_layout = sync

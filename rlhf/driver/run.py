@@ -129,6 +129,7 @@ class Run(Recovery, ExpertBalancing):
     load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*; checkpointed)
     load_metrics: dict = field(default_factory=dict)  # this step's expert_load/* from observe_expert_loads
     expert_maps: Optional[tuple] = None  # the trainer's expert -> EP shard map per MoE layer once balanced (checkpointed)
+    engine_experts: Optional[tuple] = None  # the engines' placement per MoE layer once it follows (checkpointed)
     sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
     step_seconds: float = 0.0
     last_sync: Optional[SyncReplies] = None
@@ -294,7 +295,8 @@ class Run(Recovery, ExpertBalancing):
             self.roles.all(self.roles.trainer, "save", str(d))
             commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state(),
                        "expert_load_prediction": self.load_prediction,
-                       "expert_maps": [list(m) for m in self.expert_maps] if self.expert_maps else None}
+                       "expert_maps": [list(m) for m in self.expert_maps] if self.expert_maps else None,
+                       "engine_experts": [list(m) for m in self.engine_experts] if self.engine_experts else None}
                    | (self.extra_state(d) if self.extra_state else {}))
             prune(Path(c.dir), c.keep_last)
         self.last_checkpoint = d
@@ -307,7 +309,9 @@ class Run(Recovery, ExpertBalancing):
         set_rng_state(state["rng"])
         self.load_prediction = state.get("expert_load_prediction")  # none in checkpoints written before it
         maps = state.get("expert_maps")  # the trainer ranks restored the same placement from their files
-        self._set_expert_maps(tuple(tuple(m) for m in maps) if maps else None)
+        engines = state.get("engine_experts")  # the engines take theirs with the sync below
+        self._set_expert_maps(tuple(tuple(m) for m in maps) if maps else None,
+                              tuple(tuple(m) for m in engines) if engines else None)
         self.step = state["step"]
         # the engines serve the resumed weights
         self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from rlhf.layout import InferenceLayout, Layout, inference_layout, trainer_layout
-from rlhf.model.engine_sharding import engine_shard_spec
+from rlhf.model.engine_sharding import engine_shard_spec, physical_experts
 from rlhf.model.sharding import trainer_shard_spec
 from rlhf.placement.device_map import DeviceMap
 from rlhf.schema import ModelConfig, RunConfig
@@ -54,12 +54,25 @@ class SyncLayout:
     # the trainer's expert -> EP shard map per MoE layer once expert-load balancing moved experts (None: the
     # contiguous default); the plan is rebuilt when it changes
     expert_maps: tuple[tuple[int, ...], ...] | None = None
+    # the engines' placement per MoE layer once it follows the trainer's load predictions: the logical expert
+    # of each physical slot, rank by rank (None: the contiguous default); every worker takes its layers' maps
+    # from here when it installs a sync (engines follow, docs/expert_balance.md)
+    engine_experts: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
             raise ValueError(f"sync topology {self.topology.name} has {self.topology.world_size} ranks; the trainer "
                              f"({self.trainer.world_size}) and the engines ({self.engines}: "
                              f"{self.engines.world_size} ranks) need {self.world_size}")
+        if self.engine_experts is not None:
+            moe = self.model.num_hidden_layers - self.model.first_k_dense_layers
+            if self.engines.ep == 1 or self.engines.redundant_experts:
+                raise ValueError(f"engine expert placement given for engines {self.engines}: the engines follow the "
+                                 f"trainer's placement only with ep > 1 and no redundant experts (those are vLLM "
+                                 f"EPLB's to place)")
+            if len(self.engine_experts) != moe:
+                raise ValueError(f"engine expert placement for {len(self.engine_experts)} MoE layers; the model "
+                                 f"has {moe}")
         if self.devices and len(self.devices) != self.world_size:
             raise ValueError(f"sync layout: {len(self.devices)} devices given for {self.world_size} transfer ranks "
                              f"(the trainer's {self.trainer.world_size}, then {self.engines.world_size} engine ranks)")
@@ -67,6 +80,13 @@ class SyncLayout:
     @property
     def world_size(self) -> int:
         return self.trainer.world_size + self.engines.world_size
+
+    def engine_physical(self) -> dict[int, tuple[int, ...]]:
+        """Layer -> the logical expert of every physical slot of each engine ({} when ep = 1)."""
+        m = self.model
+        given = None if self.engine_experts is None else {
+            m.first_k_dense_layers + i: tuple(p) for i, p in enumerate(self.engine_experts)}
+        return physical_experts(m, self.engines, given)
 
     def engine_ranks(self, k: int) -> range:
         """The transfer ranks of engine k's workers, in the engine's own rank order."""
@@ -102,7 +122,8 @@ def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     hold no MTP modules (vLLM loads them only as a speculative-decoding draft, which rollouts do not run), so
     none are sent; the trainer carries them unchanged into checkpoints and exports."""
     return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage, expert_maps=sync.expert_maps),
-            engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False))
+            engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False,
+                              physical_experts=sync.engine_physical() or None))
 
 
 def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> SyncLayout:

@@ -121,3 +121,45 @@ def test_engine_placement_never_puts_an_expert_twice_on_a_rank(load):
     phys = engine_placement(load, ep=3, redundant=3)
     assert len(phys) == 6 and set(phys) == {0, 1, 2}
     assert all(len(set(phys[r * 2:r * 2 + 2])) == 2 for r in range(3)), phys
+
+
+def test_engine_plan_takes_a_placement_only_where_it_pays():
+    from rlhf.expert_balance import coefficient_of_variation, engine_plan, engine_rank_loads
+
+    skewed, even = [8.0, 7.0, 6.0, 5.0, 1.0, 1.0, 1.0, 1.0], [1.0] * 8
+    default = tuple(range(8))
+    out = engine_plan([skewed, even], [default, default], ep=2, min_cv_drop=0.08)
+    assert out[1] == default  # nothing to gain: kept
+    assert out[0] != default and sorted(out[0]) == list(range(8))
+    cv = lambda p: coefficient_of_variation(engine_rank_loads(skewed, p, 2))  # noqa: E731
+    assert cv(out[0]) <= cv(default) - 0.08
+    assert engine_plan([skewed], [out[0]], ep=2) == (out[0],)  # planned again: stays
+    assert engine_plan([skewed], [default], ep=2, min_cv_drop=10.0) == (default,)
+    with pytest.raises(ValueError, match="2 layers of predictions for 1 engine placements"):
+        engine_plan([skewed, even], [default], ep=2)
+
+
+def test_a_sync_layout_places_the_engines_experts_as_given():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from rlhf.config import load_model_config
+    from rlhf.layout import InferenceLayout, Layout
+    from rlhf.placement.transfer import SyncLayout
+    from weight_sync.plan import Topology
+
+    cfg = load_model_config(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
+    moe = cfg.num_hidden_layers - cfg.first_k_dense_layers
+    base = SyncLayout(cfg, Layout(dp=2, ep=2), InferenceLayout(tp=1, ep=2), Topology.single_node(4))
+    placement = tuple((1, 3, 5, 7, 0, 2, 4, 6) if l % 2 else (0, 1, 2, 3, 4, 5, 6, 7) for l in range(moe))
+    sync = replace(base, engine_experts=placement)
+    assert sync.engine_physical() == {cfg.first_k_dense_layers + l: p for l, p in enumerate(placement)}
+    held = {r.rank: {p.param for p in r.pieces if ".experts." in p.param} for r in sync.dst_spec().ranks}
+    odd = cfg.first_k_dense_layers + 1  # a layer whose odd experts sit on engine rank 2 (the first engine rank)
+    assert {n for n in held[2] if n.startswith(f"model.layers.{odd}.")} == {
+        f"model.layers.{odd}.mlp.experts.{e}.{w}.weight" for e in (1, 3, 5, 7) for w in ("gate_proj", "up_proj", "down_proj")}
+    assert sync.plan().bytes_minimal == base.plan().bytes_minimal
+    with pytest.raises(ValueError, match="only with ep > 1 and no redundant experts"):
+        SyncLayout(cfg, Layout(dp=2, ep=2), InferenceLayout(tp=2), Topology.single_node(4), engine_experts=placement)
+    with pytest.raises(ValueError, match="for 1 MoE layers; the model has"):
+        replace(base, engine_experts=placement[:1])
