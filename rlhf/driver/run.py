@@ -360,6 +360,7 @@ class Run(Recovery, ExpertBalancing):
                                "ep_rank_load": m.get("expert_load/ep_rank_max_over_mean"),
                                "experts_moved": m.get("expert_balance/experts_moved", 0),
                                "expert_bytes_moved": m.get("expert_balance/bytes_moved", 0),
+                               "engine_layers_replaced": m.get("expert_balance/engine_layers_replaced", 0),
                                "route_tokens_any_mismatch": m.get("route/tokens_any_mismatch")})
         self.progress.update(step, progress_fields(m, self.accuracy))
 
@@ -400,6 +401,8 @@ class Run(Recovery, ExpertBalancing):
                                                       if h["ep_rank_load"] is not None), 4),
             "expert_balance_experts_moved": sum(h["experts_moved"] for h in self.history),
             "expert_balance_bytes_moved": sum(h["expert_bytes_moved"] for h in self.history),
+            # MoE layers whose engine placement followed (engines with ep > 1), summed over the balancing steps
+            "expert_balance_engine_layers_replaced": sum(h["engine_layers_replaced"] for h in self.history),
             "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
             "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
             "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],

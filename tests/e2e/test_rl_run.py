@@ -211,7 +211,8 @@ def test_pangu_architecture_in_the_loop(tiny, ray_session, tmp_path):
     the trainer's while the auxiliary-loss-free update moves the correction bias every step (a bias the engines
     did not get would route otherwise). Random weights of the architecture (the task files are the tiny
     fixture's). The policy carries an MTP module: never sent to the engines (vLLM holds none without speculative
-    decoding), kept unchanged in the exported model."""
+    decoding), kept unchanged in the exported model. The one engine is tp2 x ep2 and balancing runs every step:
+    the trainer's experts migrate and the engine's follow the same predictions (issue 16), parity unchanged."""
     from dataclasses import replace
 
     import torch
@@ -229,9 +230,12 @@ def test_pangu_architecture_in_the_loop(tiny, ray_session, tmp_path):
     save_pretrained(m, policy)
     cfg = load_run_config(REPO / "configs/tiny_cpu_pangu.yaml", [
         *_overrides(d, tmp_path / "run", "steps=3", "eval_every=100", "model.num_mtp_layers=1",
-                    "rollout.capture_routes=true", "trainer.router_bias_update_rate=0.05"), f"model.path={policy}"])
+                    "rollout.capture_routes=true", "trainer.router_bias_update_rate=0.05", "rollout.num_engines=1",
+                    "rollout.tp=2", "rollout.ep=2", *BALANCE, "trainer.expert_balance.every_steps=1"),
+        f"model.path={policy}"])
     result = train(cfg)
     assert result["steps_run"] == 3 and result["syncs"] == 3
+    assert result["expert_balance_experts_moved"] > 0 and result["expert_balance_engine_layers_replaced"] > 0
     steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     moved = [m["expert_load/router_bias_abs_max"] for m in steps]
     assert all(0 < b for b in moved) and len(set(moved)) > 1, moved
