@@ -54,7 +54,7 @@ class ExpertBalancing:
         engines = self._engine_placement_plan(b.min_cv_drop)
         if engines is not None:
             before = self.current_engine_experts()
-            m["expert_balance/engine_layers_replaced"] = sum(a != b for a, b in zip(before, engines))
+            m["expert_balance/engine_layers_replaced"] = sum(old != new for old, new in zip(before, engines))
         if p.experts_moved:
             with self.phase("expert migration", step):
                 replies = self.roles.all(self.roles.trainer, "migrate_experts", p.maps)
@@ -69,7 +69,9 @@ class ExpertBalancing:
             self.log(f"step {step}: expert balance: {len(moved)} MoE layers migrated, {p.experts_moved} experts "
                      f"moved ({m['expert_balance/bytes_moved'] / 1e6:.1f} MB with their AdamW moments); predicted "
                      f"per-rank load CV " + ", ".join(f"layer {lp.layer} {lp.cv_before:.3f}->{lp.cv_after:.3f}"
-                                                      for lp in moved))
+                                                      for lp in moved)
+                     + (f"; engines: {m['expert_balance/engine_layers_replaced']} MoE layers re-placed"
+                        if m.get("expert_balance/engine_layers_replaced") else ""))
         self.load_metrics |= m
 
     def current_engine_experts(self) -> tuple[tuple[int, ...], ...]:
