@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import zlib
 from contextlib import contextmanager
 from typing import Iterable
@@ -394,45 +395,48 @@ class WeightUpdateExtension:
         n = self._rlhf_reload(weights())
         return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved}
 
+    def _rlhf_moe_maps(self) -> list[tuple[int, torch.Tensor]]:
+        """(layer, its global -> local expert map) of every expert-parallel MoE layer of this worker: the tensor
+        vLLM's MoE kernels and weight loaders read. The layers' map managers are found once (read on every
+        install); the tensor is asked of its manager each time."""
+        managers = self.__dict__.get("_rlhf_moe_managers")
+        if managers is None:
+            managers, seen = [], set()
+            for name, module in self.model_runner.get_model().named_modules():
+                manager = getattr(module, "expert_map_manager", None)
+                layer = re.search(r"layers\.(\d+)\.", name)
+                if manager is not None and manager.expert_map is not None and layer and id(manager) not in seen:
+                    seen.add(id(manager))
+                    managers.append((int(layer.group(1)), manager))
+            self._rlhf_moe_managers = managers
+        return [(layer, manager.expert_map) for layer, manager in managers]
+
     def rlhf_expert_placement(self) -> dict[int, list[int]]:
         """MoE layer -> the global expert in each of this worker's local slots (what the kernels use now)."""
-        import re
-
         out = {}
-        for name, module in self.model_runner.get_model().named_modules():
-            manager = getattr(module, "expert_map_manager", None)
-            layer = re.search(r"layers\.(\d+)\.", name)
-            if manager is not None and manager.expert_map is not None and layer is not None:
-                emap = manager.expert_map.tolist()
-                local = {slot: e for e, slot in enumerate(emap) if slot >= 0}
-                out.setdefault(int(layer.group(1)), [local[i] for i in range(len(local))])
+        for layer, emap in self._rlhf_moe_maps():
+            local = {slot: e for e, slot in enumerate(emap.tolist()) if slot >= 0}
+            out[layer] = [local[i] for i in range(len(local))]
         return out
 
     def _rlhf_follow_placement(self, sync) -> int:
         """Give every MoE layer of this worker the expert placement the sync was planned for (`SyncLayout.
         engine_physical`: the trainer's load predictions, docs/expert_balance.md): each layer's global -> local
-        expert map, changed in place (the kernels and vLLM's loaders read that tensor), right before the
-        install writes every expert into its new slot. Only after the whole sync arrived intact on every
-        worker: a rejected sync leaves the placement and the weights as they were. Returns the layers changed."""
-        import re
-
+        expert map, changed in place, right before the install writes every expert into its new slot. Only
+        after the whole sync arrived intact on every worker: a rejected sync leaves the placement and the
+        weights as they were. Returns the layers changed."""
         physical = sync.engine_physical()
         if not physical:
             return 0
         ep, rank = sync.engines.ep, self.rlhf_engine_rank()
-        changed, seen = 0, set()
-        for name, module in self.model_runner.get_model().named_modules():
-            manager = getattr(module, "expert_map_manager", None)
-            layer = re.search(r"layers\.(\d+)\.", name)
-            if manager is None or manager.expert_map is None or id(manager) in seen or layer is None:
-                continue
-            seen.add(id(manager))
-            slots = physical[int(layer.group(1))]
+        changed = 0
+        for layer, emap in self._rlhf_moe_maps():
+            slots = physical[layer]
             per = len(slots) // ep
-            want = torch.full_like(manager.expert_map, -1)
+            want = torch.full_like(emap, -1)
             want[list(slots[rank * per:(rank + 1) * per])] = torch.arange(per, dtype=want.dtype)
-            if not torch.equal(want, manager.expert_map):
-                manager.expert_map.copy_(want)
+            if not torch.equal(want, emap):
+                emap.copy_(want)
                 changed += 1
         return changed
 

@@ -168,8 +168,8 @@ def engine_placement(expert_load: Sequence[float], ep: int, redundant: int = 0) 
         replicas[e] += 1
     per = (E + R) // ep
     load, held = [0.0] * ep, [[] for _ in range(ep)]
-    copies = sorted(((expert_load[e] / replicas[e], e) for e in range(E) for _ in range(replicas[e])),
-                    key=lambda t: (-t[0], t[1]))
+    per_copy = [expert_load[e] / replicas[e] for e in range(E)]  # the tokens each replica serves
+    copies = sorted(((per_copy[e], e) for e in range(E) for _ in range(replicas[e])), key=lambda t: (-t[0], t[1]))
     for share, e in copies:
         free = [r for r in range(ep) if len(held[r]) < per]
         apart = [r for r in free if e not in held[r]]
@@ -179,19 +179,15 @@ def engine_placement(expert_load: Sequence[float], ep: int, redundant: int = 0) 
             load[r] += share
             continue
         # Every rank with a free slot holds e already: a full rank without e (one exists, replicas <= ep) hands
-        # one of its experts the free rank lacks (one exists, the free rank holds fewer) over and takes e.
-        def after(move):
-            r, r2, f = move
-            s = expert_load[f] / replicas[f]
-            return (max(load[r] + s, load[r2] - s + share), r, r2, f)
-        r, r2, f = min(((r, r2, f) for r in free for r2 in range(ep) if e not in held[r2]
-                        for f in held[r2] if f not in held[r]), key=after)
-        s = expert_load[f] / replicas[f]
+        # one of its experts the free rank lacks (one exists, the free rank holds fewer) over and takes e; the
+        # swap that leaves the lighter busier rank of the two.
+        _, r, r2, f = min((max(load[r] + per_copy[f], load[r2] - per_copy[f] + share), r, r2, f)
+                          for r in free for r2 in range(ep) if e not in held[r2] for f in held[r2] if f not in held[r])
         held[r2].remove(f)
         held[r2].append(e)
         held[r].append(f)
-        load[r] += s
-        load[r2] += share - s
+        load[r] += per_copy[f]
+        load[r2] += share - per_copy[f]
     return tuple(e for r in range(ep) for e in sorted(held[r]))
 
 

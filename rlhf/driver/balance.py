@@ -52,35 +52,33 @@ class ExpertBalancing:
         m = p.metrics() | {"time/expert_balance_plan": time.time() - t0, "expert_balance/bytes_moved": 0,
                            "time/expert_balance_sync_plan": 0.0}
         engines = self._engine_placement_plan(b.min_cv_drop)
+        replaced = 0 if engines is None else sum(x != y for x, y in zip(self.current_engine_experts(), engines))
         if engines is not None:
-            before = self.current_engine_experts()
-            m["expert_balance/engine_layers_replaced"] = sum(old != new for old, new in zip(before, engines))
+            m["expert_balance/engine_layers_replaced"] = replaced
         if p.experts_moved:
             with self.phase("expert migration", step):
                 replies = self.roles.all(self.roles.trainer, "migrate_experts", p.maps)
             m["expert_balance/bytes_moved"] = sum(r["bytes_sent"] for r in replies)
-        if p.experts_moved or m.get("expert_balance/engine_layers_replaced"):
-            t1 = time.time()
-            # the engines take their new placement when they install the next sync (the whole model is sent)
-            self._set_expert_maps(p.maps if p.experts_moved else self.expert_maps,
-                                  engines if m.get("expert_balance/engine_layers_replaced") else self.engine_experts)
-            m["time/expert_balance_sync_plan"] = time.time() - t1
             moved = [lp for lp in p.layers if lp.migrate]
             self.log(f"step {step}: expert balance: {len(moved)} MoE layers migrated, {p.experts_moved} experts "
                      f"moved ({m['expert_balance/bytes_moved'] / 1e6:.1f} MB with their AdamW moments); predicted "
                      f"per-rank load CV " + ", ".join(f"layer {lp.layer} {lp.cv_before:.3f}->{lp.cv_after:.3f}"
-                                                      for lp in moved)
-                     + (f"; engines: {m['expert_balance/engine_layers_replaced']} MoE layers re-placed"
-                        if m.get("expert_balance/engine_layers_replaced") else ""))
+                                                      for lp in moved))
+        if replaced:
+            self.log(f"step {step}: expert balance: the engines re-place {replaced} MoE layers' experts (installed "
+                     f"with the next sync)")
+        if p.experts_moved or replaced:
+            t1 = time.time()
+            self._set_expert_maps(p.maps if p.experts_moved else self.expert_maps,
+                                  engines if replaced else self.engine_experts)
+            m["time/expert_balance_sync_plan"] = time.time() - t1
         self.load_metrics |= m
 
     def current_engine_experts(self) -> tuple[tuple[int, ...], ...]:
         """The logical expert of every physical slot of the engines, per MoE layer."""
         if self.engine_experts is not None:
             return self.engine_experts
-        m = self.cfg.model
-        return tuple(tuple(v) for _, v in sorted(self.inputs.sync.engine_physical().items())) or (
-            (tuple(range(m.num_experts)),) * (m.num_hidden_layers - m.first_k_dense_layers))
+        return tuple(v for _, v in sorted(self.inputs.sync.engine_physical().items()))
 
     def _engine_placement_plan(self, min_cv_drop: float) -> Optional[tuple]:
         """The engines' placement from the same predictions (engines with ep > 1 and no redundant slots: vLLM's

@@ -214,12 +214,11 @@ def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: in
     return ShardSpec(f"engines {layout}", tuple(shapes.items()), ranks, cfg.dtype.value)
 
 
-def physical_experts(cfg: ModelConfig, lay: InferenceLayout, physical: Sequence[int] | Mapping[int, Sequence[int]] |
-                     None = None, include_mtp: bool = False) -> dict[int, tuple[int, ...]]:
-    """Layer -> the logical expert of every physical slot of an engine (rank i holds slots i * per .. (i + 1) *
-    per), as `engine_shard_spec` places them; {} for ep = 1."""
-    return _physical_experts(cfg, lay, None, physical, cfg.num_hidden_layers + (cfg.num_mtp_layers if include_mtp
-                                                                                 else 0))
+def physical_experts(cfg: ModelConfig, lay: InferenceLayout,
+                     physical: Sequence[int] | Mapping[int, Sequence[int]] | None = None) -> dict[int, tuple[int, ...]]:
+    """Layer -> the logical expert of every physical slot of an engine without MTP modules (rank i holds slots
+    i * per .. (i + 1) * per), as `engine_shard_spec` places them; {} for ep = 1."""
+    return _physical_experts(cfg, lay, None, physical, cfg.num_hidden_layers)
 
 
 def _physical_experts(cfg: ModelConfig, lay: InferenceLayout, expert_map: Sequence[int] | None,

@@ -182,13 +182,13 @@ def ep_all_to_all_seconds(hw: Hardware, t: TrainerChoice, first_device: int, act
     return outer.seconds(tokens * remote_nodes, nodes - 1) + inner.seconds(rows * (local - 1) / local, local - 1)
 
 
-def _trainer_levels(hw: Hardware, t: TrainerChoice, first_device: int) -> tuple[str, str, str, str]:
-    """Links of the tp, ep, dp and pp groups (ranks: tp fastest, then dp, then pp)."""
+def _trainer_levels(hw: Hardware, t: TrainerChoice, first_device: int) -> tuple[str, str, str]:
+    """Links of the tp, dp and pp groups (ranks: tp fastest, then dp, then pp; the EP group's levels are
+    `ep_all_to_all_seconds`'s)."""
     tp = hw.level_between(t.tp, first_device)
-    ep = hw.level_between(t.expert_shards, first_device)  # the EP group: expert_shards consecutive ranks
     dp = hw.level_between(t.dp * t.tp, first_device)
     pp = hw.level_between(t.world, first_device)
-    return tp, ep, dp, pp
+    return tp, dp, pp
 
 
 def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_device: int, backward: bool,
@@ -207,7 +207,7 @@ def _pass(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, first_devi
     peak = hw.flops(dtype)
     skew = w.expert_load_skew if t.expert_shards > 1 else 1.0
     compute = mult * (flops_dense + flops_expert * skew / hw.grouped_matmul_efficiency) / (t.world * peak)
-    tp_l, _, dp_l, pp_l = _trainer_levels(hw, t, first_device)
+    tp_l, dp_l, pp_l = _trainer_levels(hw, t, first_device)
     layers = mc.layers / t.pp
     moe = mc.moe_layers / t.pp
     dirs = 2.0 if backward else 1.0
