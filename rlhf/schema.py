@@ -10,7 +10,7 @@ shapes alone; `rlhf.model` refuses the shapes it cannot build.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Optional
 
@@ -377,13 +377,13 @@ class TrackingConfig:
     project: str = "rlhf"
     run_name: Optional[str] = None
     mode: TrackingMode = TrackingMode.offline
-    dir: str = "out/wandb"
+    dir: Optional[str] = None  # where W&B writes (its `wandb/` folder); None: the run's output_dir
     trace: bool = True
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = "out/checkpoints"
+    dir: Optional[str] = None  # None: <output_dir>/checkpoints
     every_steps: int = 0  # 0: never
     resume: str = "never"  # never | auto | a checkpoint directory
     keep_last: int = 2
@@ -445,6 +445,14 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stale_sync: StaleSyncConfig = field(default_factory=StaleSyncConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+
+    def __post_init__(self):
+        """Checkpoints and W&B follow `output_dir` unless given: overriding output_dir moves everything a run
+        writes, and two runs with different output_dirs never share (or resume) each other's checkpoints."""
+        if self.checkpoint.dir is None:
+            object.__setattr__(self, "checkpoint", replace(self.checkpoint, dir=f"{self.output_dir}/checkpoints"))
+        if self.tracking.dir is None:
+            object.__setattr__(self, "tracking", replace(self.tracking, dir=self.output_dir))
 
     @property
     def captures_routes(self) -> bool:

@@ -46,6 +46,18 @@ def test_defaults_files_then_run_file_then_overrides(tmp_path):
     assert cfg.placement.device_type is DeviceType.cpu  # schema default
 
 
+def test_checkpoints_and_wandb_follow_output_dir_unless_given():
+    cfg = load_run_config(CONFIGS / "tiny_cpu.yaml", ["output_dir=/runs/a"])
+    assert (cfg.checkpoint.dir, cfg.tracking.dir) == ("/runs/a/checkpoints", "/runs/a")
+    shipped = load_run_config(CONFIGS / "tiny_cpu.yaml")
+    assert (shipped.checkpoint.dir, shipped.tracking.dir) == ("out/tiny_run/checkpoints", "out/tiny_run")
+    given = load_run_config(CONFIGS / "tiny_cpu.yaml", ["output_dir=/runs/a", "checkpoint.dir=/ck", "tracking.dir=/wb"])
+    assert (given.checkpoint.dir, given.tracking.dir) == ("/ck", "/wb")
+    for path in sorted(CONFIGS.glob("*.yaml")):  # no shipped run pins them apart from its output_dir
+        cfg = load_run_config(path, ["output_dir=/elsewhere"])
+        assert cfg.checkpoint.dir.startswith("/elsewhere") and cfg.tracking.dir == "/elsewhere", path.name
+
+
 def test_configs_are_frozen():
     cfg = load_run_config(CONFIGS / "tiny_cpu.yaml")
     with pytest.raises(FrozenInstanceError):
