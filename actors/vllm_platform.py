@@ -72,6 +72,8 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if device_type is DeviceType.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
+        if cfg.enforce_eager:
+            no_compile()
         if cpu_cores:
             # One core per engine rank, the core of its stand-in device: vLLM's "auto" binding puts every
             # engine of a machine on core 0 (it reserves the rest), so two engines would share one core.
@@ -81,6 +83,18 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tp)))
     elif device_type is DeviceType.npu:
         import torch_npu  # noqa: F401  (registers the npu device before vllm-ascend loads)
+
+
+def no_compile() -> None:
+    """No torch.compile in this process or the engine processes it starts. With enforce_eager vLLM still
+    compiles its sampler's logprob-rank counter (`batched_count_greater_than`) with inductor at the first
+    generation: on cpu a C++ build of 15-20 s per engine process on 2 cores (3-4 s when inductor's cache in
+    TMPDIR holds it, which an engine in a process of its own does not keep), for one comparison and sum that
+    runs eagerly with the same result (docs/rollout.md)."""
+    import torch
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when a worker process imports torch
+    torch.compiler.set_stance("force_eager")  # every thread (a Ray actor's calls run on threads of their own)
 
 
 def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:

@@ -19,6 +19,7 @@ values, and a CRC32 per tensor against the sender's; a failure raises before any
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import zlib
@@ -94,6 +95,9 @@ def _patch_cpu_rotary_3d() -> None:
 
 
 _patch_cpu_rotary_3d()
+
+if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # set by vllm_platform.no_compile: eager on every thread here too
+    torch.compiler.set_stance("force_eager")
 
 
 def _count_key(loader, args):
