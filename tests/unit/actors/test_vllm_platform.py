@@ -55,3 +55,38 @@ def test_an_engine_process_of_its_own_keeps_all_of_vllm_temp_files_in_its_dir(tm
     vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig(), own_process=True)
     assert os.environ["TMPDIR"] == vllm_platform.tempfile.gettempdir() == str(ipc_dir())
     assert ipc_dir().parent == tmp_path  # computed from the machine's temp dir, not the redirected one
+
+
+NO_COMPILE_CHECK = """
+import os, threading
+import torch
+from torch._dynamo.utils import counters
+from actors.vllm_platform import prepare_platform
+from rlhf.schema import DeviceType, RolloutConfig
+
+@torch.compile(backend="eager")  # dynamo traces (counted) without a C++ build
+def count_greater(x, v):  # as vLLM's sampler does
+    return (x >= v).sum(-1)
+
+prepare_platform(DeviceType.cpu, RolloutConfig(enforce_eager={eager}), own_process=True)
+x = torch.arange(12.0).view(3, 4)
+out = []
+t = threading.Thread(target=lambda: out.append(count_greater(x, x[:, 1:2]).tolist()))  # as a Ray actor's call runs
+t.start()
+t.join()
+print(out[0], os.environ.get("TORCH_COMPILE_DISABLE"), sum(counters["stats"].values()) > 0)
+"""
+
+
+def test_eager_cpu_engines_compile_nothing_on_any_thread(tmp_path):
+    """rollout.enforce_eager on cpu: the torch.compile'd functions vLLM keeps (its sampler's rank counter, an
+    inductor C++ build of ~18 s per engine process) run eagerly on every thread, and the engine's workers are
+    told so; without enforce_eager dynamo traces as vLLM intends."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("TORCH_COMPILE_DISABLE", None)
+    eager, compiled = (subprocess.run([sys.executable, "-c", NO_COMPILE_CHECK.format(eager=e)], capture_output=True,
+                                      text=True, env=env, timeout=300) for e in (True, False))
+    assert eager.returncode == 0, eager.stderr[-2000:]
+    assert eager.stdout.split() == ["[3,", "3,", "3]", "1", "False"]  # same result, env for workers, nothing traced
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
+    assert compiled.stdout.split()[-2:] == ["None", "True"]
