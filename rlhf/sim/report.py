@@ -13,7 +13,8 @@ from rlhf.config.load import as_dict
 from rlhf.placement.device_map import device_map
 from rlhf.placement.devices import format_devices
 from rlhf.schema import RunConfig
-from rlhf.sim.cost import Candidate, EngineChoice, Sync, TrainerChoice, simulate_candidate
+from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
+from rlhf.sim.cost import Sync, simulate_candidate
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.search import SearchSpace, search, why
 from rlhf.sim.workload import model_cost, workload
