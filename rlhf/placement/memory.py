@@ -75,9 +75,13 @@ def rank_bytes(cfg: RunConfig, trainer_spec=None, engine_spec=None) -> RankBytes
 def memory_estimate(cfg: RunConfig, dm: DeviceMap, trainer_spec=None, engine_spec=None) -> dict[int, dict[str, int]]:
     """An estimate of the bytes each role rank keeps on its device, per device (see `memory_notes`).
     `trainer_spec` (ranks from 0) and `engine_spec` (ranks from W) are built when not given."""
+    return device_bytes(cfg, dm, rank_bytes(cfg, trainer_spec, engine_spec))
 
+
+def device_bytes(cfg: RunConfig, dm: DeviceMap, rb: RankBytes) -> dict[int, dict[str, int]]:
+    """`memory_estimate` from the ranks' state already counted: each rank's bytes on its device, the engines'
+    with their KV cache, the reward workers'."""
     p = cfg.placement
-    rb = rank_bytes(cfg, trainer_spec, engine_spec)
     out: dict[int, dict[str, int]] = {d: {} for d in dm.used_devices()}
     has_ref = "reference" in dm.role_names
     for rank, b in enumerate(rb.trainer):
