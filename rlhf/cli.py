@@ -3,7 +3,7 @@
     rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F] [--lr F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
-    rlhf plan RUN.yaml [key=value ...]      device map, memory estimate, weight-sync plan (starts nothing)
+    rlhf plan RUN.yaml [key=value ...]      device map, memory (shard-exact and simulated), weight-sync plan
     rlhf train RUN.yaml [key=value ...]     the RL run; on a cluster: ray job submit -- rlhf train RUN.yaml
     rlhf simulate RUN.yaml [--hardware H] [--search [--devices N] [--top K] [--write DIR]] [key=value ...]
                                             predicted step, phases, memory; the best layouts (starts nothing)
@@ -78,9 +78,14 @@ def _train(args) -> int:
 def _plan(args) -> int:
     from rlhf.config import load_run_config
     from rlhf.placement import device_map, plan_report
+    from rlhf.sim import default_hardware, load_hardware
+    from rlhf.sim.report import memory_by_role
 
     cfg = load_run_config(args.config, args.overrides)  # validates the placement too
-    lines, result = plan_report(cfg, device_map(cfg))
+    # the simulator's memory per role (activations, KV cache) beside the plan's shard-exact state; rlhf.sim
+    # imports rlhf.placement, so the figures are computed here and passed in
+    simulated = memory_by_role(cfg, load_hardware(default_hardware(cfg.placement.device_type.value)))
+    lines, result = plan_report(cfg, device_map(cfg), simulated=simulated)
     print("\n".join(lines), file=sys.stderr, flush=True)
     print(json.dumps(result))
     return 0

@@ -1,5 +1,9 @@
 """The `rlhf plan` report: the device map, the memory estimate and the weight-sync plan of a run, as lines
-for the console and one summary dict. Plans the sync (seconds for a 718B model); starts nothing. Pure."""
+for the console and one summary dict. Plans the sync (seconds for a 718B model); starts nothing. Pure.
+
+Beside its shard-exact memory (parameters, gradients, optimizer state, engine weights and KV) it prints, when
+given, the simulator's figures per role (with activations and the KV cache sized from a hardware file): the
+simulator lives in `rlhf.sim`, which imports this package, so the CLI computes them and passes them in."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from rlhf.layout import InferenceLayout, Layout
 from rlhf.model.shapes import route_bytes_per_step
 from rlhf.placement.device_map import DeviceMap, device_map
 from rlhf.placement.devices import abbreviate, format_devices
-from rlhf.placement.memory import GIB, memory_estimate, memory_notes
+from rlhf.placement.memory import GIB, device_bytes, memory_notes, rank_bytes
 from rlhf.placement.ray_slots import placement_bundles
 from rlhf.placement.transfer import sync_layout
 from rlhf.schema import RunConfig
@@ -62,10 +66,12 @@ def _role_line(cfg: RunConfig, dm: DeviceMap, lay: Layout, il: InferenceLayout, 
             f"(node{'s' * (len(nodes) > 1)} {abbreviate(nodes)})")
 
 
-def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int = 16) -> tuple[list[str], dict]:
+def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int = 16,
+                simulated: dict | None = None) -> tuple[list[str], dict]:
     """Lines describing the device map, the memory estimate and the weight-sync plan, and a summary dict
     (the JSON line of `rlhf plan`). Devices are listed one by one up to `detail_up_to` used devices, grouped
-    beyond. Plans the sync (seconds for a 718B model); starts nothing."""
+    beyond. `simulated`: the simulator's memory per role (`rlhf.sim.report.memory_by_role`), printed beside the
+    shard-exact state. Plans the sync (seconds for a 718B model); starts nothing."""
 
     dm = dm if dm is not None else device_map(cfg)
     p = cfg.placement
@@ -73,7 +79,11 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     lay, il, topology = sync.trainer, sync.engines, sync.topology
     W = lay.world_size
     src, dst = sync.src_spec(), sync.dst_spec()
-    memory = memory_estimate(cfg, dm, src, dst)
+    rb = rank_bytes(cfg, src, dst)
+    memory = device_bytes(cfg, dm, rb)
+    state = {"trainer": max(rb.trainer), "rollout": max(rb.rollout_weights)}
+    if "reference" in dm.role_names:
+        state["reference"] = max(rb.reference)
     t0 = time.perf_counter()
     plan = plan_reshard(src, dst, topology)
     plan_seconds = time.perf_counter() - t0
@@ -121,6 +131,8 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
         lines.append(f"  {idle} device{'s' * (idle > 1)} hold no role")
 
     lines += _memory_lines(cfg, memory, detail_up_to)
+    if simulated is not None:
+        lines += _simulated_lines(state, simulated)
 
     devices_of_rank = sync.devices
     same_device = sum(sum(t.numel for t in ts) for (s, d), ts in plan.pairs
@@ -147,7 +159,8 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     peaks = [max(roles.values(), default=0) for roles in memory.values()] or [0]
     result = {"devices": dm.num_devices, "devices_used": len(used),
               "roles": {role: dm.ranks_of(role) for role in dm.role_names},
-              "memory_max_bytes": max(totals), "memory_max_peak_bytes": max(peaks),
+              "memory_max_bytes": max(totals), "memory_max_peak_bytes": max(peaks), "memory_state_max_bytes": state,
+              "memory_simulated_gib_per_device": simulated,
               "bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
               "bytes_same_device": same_device, "bytes_cross_node": cross_node, "floor_seconds": summary["floor_seconds"],
               "plan_seconds": round(plan_seconds, 3), "route_bytes_per_step": routes}
@@ -178,4 +191,19 @@ def _memory_lines(cfg: RunConfig, memory: dict[int, dict[str, int]], detail_up_t
         if len(ranked) > 6:
             lines.append(f"  ... {len(ranked) - 6} more groups with less memory")
     lines += [f"  - {note}" for note in memory_notes(cfg)]
+    return lines
+
+
+def _simulated_lines(state: dict[str, int], simulated: dict) -> list[str]:
+    """The simulator's figures per role beside the shard-exact state (the same quantity: the two agree,
+    tests/unit/rlhf/sim/test_memory_agreement.py)."""
+    lines = [f"memory per role, simulated (rlhf simulate's model on hardware {simulated['hardware']}; the busiest "
+             f"device of each role):"]
+    for role, v in simulated["roles"].items():
+        exact = f" (shard-exact {_bytes(state[role])})" if role in state else ""
+        kv = _bytes(v.get("kv_cache", 0.0) * GIB)
+        beyond = {"trainer": "with activations, the logits chunk and runtime",
+                  "rollout": f"with its KV cache {kv} and runtime"}.get(role, "with runtime")
+        what = "weights" if role == "rollout" else "state"
+        lines.append(f"  {role:<9} {what} {_bytes(v['state'] * GIB)}{exact}; {beyond}: {_bytes(v['total'] * GIB)}")
     return lines

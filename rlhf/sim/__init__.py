@@ -3,13 +3,16 @@ Pure: shapes, layouts, plans and hardware descriptions in, seconds and bytes out
 
     hardware   configs/hardware/*.yaml: devices, links per level, per-phase calibration; checked on load
     workload   a model's parameter groups and per-token costs; one step's work from a run config
-    cost       seconds per phase, the step (serial or overlapped), memory per device
+    candidate  what is priced: the trainer's and the engines' layouts, where they sit, the staleness bound
+    cost       seconds per phase, the step (serial or overlapped)
+    memory     bytes per role and device: parameters, gradients, optimizer state, activations, KV cache
     search     enumeration of training layouts, inference layouts and placements, pruned and ranked
     fit        calibration from measured runs; error and rank correlation of predictions
     report     `rlhf simulate`: a run config's prediction, the search's ranking, the best written as YAML
 """
 
-from rlhf.sim.cost import Candidate, EngineChoice, TrainerChoice, simulate_candidate
+from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
+from rlhf.sim.cost import simulate_candidate
 from rlhf.sim.hardware import Calibration, Hardware, Link, default_hardware, load_hardware
 from rlhf.sim.report import candidate_of, search_config, simulate, write_config
 from rlhf.sim.workload import ModelCost, Workload, model_cost, workload

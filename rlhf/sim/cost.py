@@ -1,5 +1,5 @@
-"""The cost model of one RL step: seconds per phase and memory per device, composed from operators over
-shapes, layouts and a hardware description. Pure Python over numbers: no torch, no Ray, no plan.
+"""The cost model of one RL step: seconds per phase (memory per device is `rlhf.sim.memory`'s), composed from
+operators over shapes, layouts and a hardware description. Pure Python over numbers: no torch, no Ray, no plan.
 
 Each phase's time is `scale * modelled + fixed_s * events + call_s` (its `rlhf.sim.hardware.Calibration`):
 the modelled part is compute at the device's peak FLOP/s (expert matmuls at `grouped_matmul_efficiency`),
@@ -30,87 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.hardware import Hardware
+from rlhf.sim.memory import engine_rank_params, kv_budget_bytes, memory_per_device, trainer_state_bytes
 from rlhf.sim.workload import ModelCost, Workload
-
-GIB = float(1 << 30)
-LOGIT_CHUNK = 1024  # the fused LM head's token chunk (rlhf/model/head.py)
-
-
-@dataclass(frozen=True)
-class TrainerChoice:
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
-    experts_over_tp_ep: bool = False
-    zero_stage: int = 1
-    recompute: bool = False  # attention and experts recomputed in backward
-    micro_batch_tokens: int = 4096
-    hierarchical_ep: bool = False  # the expert all-to-all in two hops (inter-node once per node, then inside)
-
-    # world and expert_shards are rlhf.layout.Layout's rules, inlined: the search reads them per candidate
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def expert_shards(self) -> int:
-        return self.ep * self.tp if self.experts_over_tp_ep else self.ep
-
-    def __str__(self) -> str:
-        lay = Layout(self.pp, self.dp, self.tp, self.ep, self.experts_over_tp_ep)
-        return (f"{lay}" + (f" zero{self.zero_stage}" if self.zero_stage != 1 else "")
-                + (" recompute" * self.recompute) + f" mb{self.micro_batch_tokens}"
-                + (" hierarchical-ep" * self.hierarchical_ep))
-
-
-@dataclass(frozen=True)
-class EngineChoice:
-    tp: int = 1
-    ep: int = 1
-    engines: int = 1
-    redundant_experts: int = 0
-
-    @property
-    def ranks(self) -> int:  # rlhf.layout.InferenceLayout.ranks_per_engine, inlined (read per candidate)
-        return self.tp if self.ep == 1 else self.ep
-
-    @property
-    def world(self) -> int:
-        return self.ranks * self.engines
-
-    def __str__(self) -> str:
-        return str(InferenceLayout(self.tp, self.ep, self.engines, self.redundant_experts))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration: the two layouts, where they sit, and the loop's staleness bound."""
-
-    trainer: TrainerChoice
-    engines: EngineChoice
-    colocated: bool = True
-    trainer_devices: int = 0  # devices of the trainer pool (0: the trainer's world size)
-    rollout_devices: int = 0
-    staleness: int = 0
-
-    @property
-    def devices(self) -> int:
-        t = self.trainer_devices or self.trainer.world
-        r = self.rollout_devices or self.engines.world
-        return max(t, r) if self.colocated else t + r
-
-    @property
-    def rollout_first_device(self) -> int:
-        return 0 if self.colocated else (self.trainer_devices or self.trainer.world)
-
-    def __str__(self) -> str:
-        where = "co-located" if self.colocated else f"disaggregated {self.trainer_devices or self.trainer.world}+" \
-                                                    f"{self.rollout_devices or self.engines.world}"
-        return f"trainer {self.trainer}, engines {self.engines}, {where}" + (
-            f", staleness {self.staleness}" if self.staleness else "")
 
 
 @dataclass(frozen=True)
@@ -151,8 +74,10 @@ def _ring(nbytes: float, n: int) -> float:
 # --- trainer-side ---
 
 def trainer_params(mc: ModelCost, t: TrainerChoice) -> tuple[float, float]:
-    """(dense, expert) parameters of the busiest rank: its stage's layers (the first stage also holds the
-    embedding, the last the head: the larger of the two counted) split over tp, experts over the shards."""
+    """(dense, expert) parameters of the busiest rank as the time model prices them (gradient reduction, the
+    optimizer's pass): the average stage's layers (the first stage also holds the embedding, the last the head:
+    the larger of the two counted) split over tp, experts over the shards. The exact resident figure (uneven
+    stages, what stays whole on every TP rank, MTP) is `rlhf.sim.memory.trainer_state_bytes`."""
     dense = mc.layer_dense / t.pp / t.tp + max(mc.embed, mc.head) / t.tp
     if t.pp == 1:
         dense = mc.layer_dense / t.tp + (mc.embed + mc.head) / t.tp
@@ -247,57 +172,6 @@ def trainer_phases(mc: ModelCost, w: Workload, hw: Hardware, t: TrainerChoice, f
     return out
 
 
-def trainer_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
-    """Bytes on the busiest trainer device: its parameters, gradients and AdamW state (fp32 master and two
-    moments, split over the replicas: ZeRO-1; all of it over dp with ZeRO-3) and the activations of the
-    micro-batches 1F1B keeps in flight on the first stage (with recompute: each layer's input only)."""
-    dense, expert = trainer_params(mc, t)
-    nb = w.train_bytes
-    replicas_e = max(1, t.dp * t.tp // t.expert_shards)
-    if t.zero_stage == 3:
-        held = dense / t.dp + expert / replicas_e
-        state = held * (2 * nb + 12)
-        state += (dense + expert) / (mc.layers / t.pp) * nb  # one layer gathered whole
-    else:
-        state = (dense + expert) * 2 * nb + 12 * (dense / t.dp + expert / replicas_e)
-    per_dp = w.train_samples * w.sequence / t.dp
-    micro = max(1, math.ceil(per_dp / t.micro_batch_tokens))
-    mb = min(per_dp, t.micro_batch_tokens)
-    layers = mc.layers / t.pp
-    per_layer = mc.hidden if t.recompute else mc.act_per_token_layer / t.tp
-    act = mb * nb * layers * per_layer * min(t.pp, micro)  # 1F1B keeps up to pp micro-batches on stage 0
-    if t.recompute:  # the layer being recomputed, whole, for the one micro-batch in backward
-        act += mb * nb * mc.act_per_token_layer / t.tp
-    logits = min(mb, LOGIT_CHUNK) * mc.vocab / t.tp * 4 * 3  # the head's chunk: logits, their exp, the grad
-    return state + act + logits
-
-
-def reference_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
-    dense, expert = trainer_params(mc, t)
-    return (dense + expert) * w.train_bytes if w.reference else 0.0
-
-
-# --- engine side ---
-
-def engine_rank_params(mc: ModelCost, e: EngineChoice) -> float:
-    """Parameters one engine rank holds: attention, norms, dense MLPs, embedding and head over tp; experts
-    (with the redundant copies) over ep, or every expert split over tp when ep == 1."""
-    dense = (mc.layer_dense + mc.embed + mc.head) / e.tp
-    if e.ep > 1:
-        expert = mc.moe_layers * (mc.num_experts + e.redundant_experts) / e.ep * mc.expert
-    else:
-        expert = mc.expert_total / e.tp
-    return dense + expert
-
-
-def kv_budget_bytes(hw: Hardware, w: Workload, mc: ModelCost, e: EngineChoice) -> float:
-    """KV-cache bytes one engine rank has: cpu engines reserve rollout.cpu_kv_cache_gib; on an accelerator
-    vLLM takes gpu_memory_utilization of the device for weights + KV."""
-    if hw.device_type == "cpu":
-        return w.kv_cache_gib * GIB
-    return max(0.0, w.gpu_memory_utilization * hw.memory_gib * GIB - engine_rank_params(mc, e) * w.rollout_bytes)
-
-
 def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, first_device: int = 0) -> tuple[
         Seconds, dict]:
     """Seconds of one step's generation (the slowest engine) and what shaped it (batch, waves, KV limit)."""
@@ -341,13 +215,6 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
     return _phase(hw, "generate", modelled, tokens), {"batch": batch, "waves": waves, "kv_seqs_max": kv_seqs}
 
 
-def engine_memory(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice) -> float:
-    weights = engine_rank_params(mc, e) * w.rollout_bytes
-    if hw.device_type == "cpu":
-        return weights + w.kv_cache_gib * GIB
-    return max(weights, w.gpu_memory_utilization * hw.memory_gib * GIB)
-
-
 def reward_seconds(mc: ModelCost, w: Workload, hw: Hardware) -> Seconds:
     if w.reward_model:
         flops = mc.forward_flops(w.samples * w.sequence, w.sequence / 2)
@@ -380,9 +247,7 @@ def offload_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> S
         return NONE
     if hw.shared_memory or not host.gbytes_per_s:  # the switch still happens (the roles' calls), moving nothing
         return _phase(hw, "offload", 0.0, 1)
-    dense, expert = trainer_params(mc, c.trainer)
-    replicas_e = max(1, c.trainer.dp * c.trainer.tp // c.trainer.expert_shards)
-    state = (dense + expert) * 2 * w.train_bytes + 12 * (dense / c.trainer.dp + expert / replicas_e)
+    state = trainer_state_bytes(mc, c.trainer, w.train_bytes)
     weights = engine_rank_params(mc, c.engines) * w.rollout_bytes
     return _phase(hw, "offload", 2 * (host.seconds(state) + host.seconds(weights)), 1)
 
@@ -396,30 +261,6 @@ def step_seconds(phases: dict, c: Candidate) -> float:
     if not c.colocated and c.staleness >= 1:
         return max(gen, train) + rest
     return gen + train + rest
-
-
-def memory_per_device(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> dict:
-    """GiB per role on the busiest device of each, and the device's total: co-located roles on an accelerator
-    take turns (the largest counts: the others are offloaded); on cpu every resident role counts, on the
-    node's shared memory."""
-    rt = hw.runtime_gib
-    trainer = trainer_memory(mc, w, c.trainer) / GIB + rt.get("trainer", 0.0)
-    reference = reference_memory(mc, w, c.trainer) / GIB + (rt.get("trainer", 0.0) if w.reference else 0.0)
-    engine = engine_memory(mc, w, hw, c.engines) / GIB + rt.get("engine", 0.0)
-    roles = {"trainer": trainer, "reference": reference, "rollout": engine}
-    if hw.shared_memory:  # the node holds every process of its devices
-        per_node = hw.devices_per_node
-        t_dev = c.trainer_devices or c.trainer.world
-        r_dev = c.rollout_devices or c.engines.world
-        if c.colocated:
-            total = min(per_node, t_dev) * (trainer + reference) + min(per_node, r_dev) * engine
-        else:
-            total = min(per_node, t_dev) * (trainer + reference) + max(0, min(per_node - min(per_node, t_dev), r_dev)) \
-                * engine
-        return {"roles": roles, "device": total, "node": True}
-    if c.colocated:
-        return {"roles": roles, "device": max(trainer, reference, engine), "node": False}
-    return {"roles": roles, "device": max(trainer + reference, engine), "node": False}
 
 
 def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None,

@@ -13,8 +13,10 @@ from rlhf.config.load import as_dict
 from rlhf.placement.device_map import device_map
 from rlhf.placement.devices import format_devices
 from rlhf.schema import RunConfig
-from rlhf.sim.cost import Candidate, EngineChoice, Sync, TrainerChoice, simulate_candidate
+from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
+from rlhf.sim.cost import Sync, simulate_candidate
 from rlhf.sim.hardware import Hardware
+from rlhf.sim.memory import GIB, engine_memory, engine_rank_params, reference_memory, trainer_memory, trainer_state_bytes
 from rlhf.sim.search import SearchSpace, search, why
 from rlhf.sim.workload import model_cost, workload
 
@@ -49,6 +51,25 @@ def simulate(cfg: RunConfig, hw: Hardware, prompt_tokens: float | None = None, r
     r = simulate_candidate(model_cost(cfg.model), w, hw, c, _plan_sync(cfg) if plan else None)
     return {**r, "hardware": hw.name, "configuration": str(c), "generated_tokens": w.generated_tokens,
             "prompt_tokens": w.prompt_tokens, "response_tokens": w.response_tokens}
+
+
+def memory_by_role(cfg: RunConfig, hw: Hardware) -> dict:
+    """The simulator's memory (GiB) on the busiest device of each role of `cfg`, for `rlhf plan` to print beside
+    its shard-exact state: 'state' is what the plan counts too (parameters, gradients, optimizer state; engine
+    weights), 'total' adds activations, the logits chunk and ZeRO-3's gathered layer (trainer), the KV cache
+    (rollout: `kv_cache`) and each process's runtime (the hardware file's runtime_gib)."""
+    mc, w, c = model_cost(cfg.model), workload(cfg), candidate_of(cfg)
+    rt = hw.runtime_gib
+    t_rt, e_rt = rt.get("trainer", 0.0), rt.get("engine", 0.0)
+    weights = engine_rank_params(mc, c.engines) * w.rollout_bytes / GIB
+    engine = engine_memory(mc, w, hw, c.engines) / GIB
+    roles = {"trainer": {"state": trainer_state_bytes(mc, c.trainer, w.train_bytes) / GIB,
+                         "total": trainer_memory(mc, w, c.trainer) / GIB + t_rt},
+             "rollout": {"state": weights, "kv_cache": engine - weights, "total": engine + e_rt}}
+    if w.reference:
+        ref = reference_memory(mc, w, c.trainer) / GIB
+        roles["reference"] = {"state": ref, "total": ref + t_rt}
+    return {"hardware": hw.name, "roles": roles}
 
 
 def simulate_lines(cfg: RunConfig, result: dict) -> list[str]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from rlhf.layout import fit_problems
 from rlhf.schema import ModelConfig
-from rlhf.sim.cost import (GIB, Candidate, EngineChoice, TrainerChoice, engine_memory, generate_seconds,
-                           simulate_candidate, trainer_memory, trainer_phases)
+from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
+from rlhf.sim.cost import generate_seconds, simulate_candidate, trainer_phases
+from rlhf.sim.memory import GIB, engine_memory, trainer_memory
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.workload import ModelCost, Workload
 

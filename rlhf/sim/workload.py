@@ -4,12 +4,41 @@ from a run config). Pure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from rlhf.model.shapes import param_shapes
+from rlhf.model.sharding import FROZEN, Split, grad_reduced_over_stage, split_of
 from rlhf.schema import Attention, ModelConfig, RewardKind, RunConfig
 from weight_sync.plan import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One decoder layer's parameters besides its routed experts, by how a rank of tp holds them (the trainer's
+    declared splits, `rlhf.model.sharding`; the engines split the same tensors the same way)."""
+
+    split: int = 0  # split over tp: q/o projections, MLA's q_b/kv_b, dense and shared-expert MLPs
+    kv: int = 0  # GQA's k/v projections: by KV head over tp, one head group's copy per rank past the KV heads
+    replicated: int = 0  # whole on every TP rank, gradients over dp: the layer norms (MTP's eh_proj and norms)
+    stage: int = 0  # whole on every TP rank, gradients over the stage: router, q/k norms, MLA's latent projections
+    frozen: int = 0  # whole, never stepped: the sigmoid router's correction bias
+
+    @property
+    def total(self) -> int:
+        return self.split + self.kv + self.replicated + self.stage + self.frozen
+
+    def on_rank(self, tp: int, kv_heads: int) -> float:
+        """Elements one rank of tp holds."""
+        return self.split / tp + self.kv / min(tp, max(1, kv_heads)) + self.replicated + self.stage + self.frozen
+
+    def add(self, name: str, n: int) -> "LayerParams":
+        split = split_of(name)
+        kind = ("split" if split in (Split.tp_rows, Split.tp_cols) else "kv" if split is Split.tp_kv_rows
+                else "frozen" if any(re.search(p, name) for p in FROZEN)
+                else "stage" if grad_reduced_over_stage(name) else "replicated")
+        return replace(self, **{kind: getattr(self, kind) + n})
 
 
 @dataclass(frozen=True)
@@ -31,6 +60,14 @@ class ModelCost:
     attn_width: int  # per layer, per context position: query-key and attention-value width (FLOPs / 2)
     kv_per_token: int  # KV-cache elements per token per layer (MLA: the compressed latent + rope key)
     act_per_token_layer: int  # activation elements a layer keeps per token for backward (no recompute)
+    # memory only (`rlhf.sim.memory`): how ranks hold the parameters, MTP modules included
+    kv_heads: int = 1
+    dense_layers: int = 0  # the first layers, with a dense MLP (first_k_dense_layers)
+    dense_layer: LayerParams = LayerParams()  # one of them
+    moe_layer: LayerParams = LayerParams()  # one MoE layer, routed experts aside
+    mtp_layers: int = 0  # MTP modules (held by the trainer's last stage, frozen; not by the engines)
+    mtp_layer: LayerParams = LayerParams()  # one of them, its routed experts aside
+    final_norm: int = 0
 
     @property
     def total(self) -> int:
@@ -55,12 +92,17 @@ def model_cost(m: ModelConfig) -> ModelCost:
     shapes = param_shapes(m)
     first_mtp = m.num_hidden_layers
     layer_dense = expert_one = 0
+    # one layer of each kind, by how ranks hold its tensors: the first dense, the first MoE, the first MTP
+    kinds = {0: LayerParams(), m.first_k_dense_layers: LayerParams(), first_mtp: LayerParams()}
     for name, shape in shapes.items():
-        if name.startswith("model.layers.") and int(name.split(".")[2]) >= first_mtp:
-            continue  # MTP module
         n = 1
         for s in shape:
             n *= s
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if layer in kinds and ".mlp.experts." not in name:
+            kinds[layer] = kinds[layer].add(name, n)
+        if layer is not None and layer >= first_mtp:
+            continue  # MTP module
         if ".mlp.experts." in name:
             if ".mlp.experts.0." in name and name.startswith("model.layers.") and int(name.split(".")[2]) == \
                     m.first_k_dense_layers:
@@ -86,7 +128,11 @@ def model_cost(m: ModelConfig) -> ModelCost:
                      heads=N, num_experts=m.num_experts, top_k=m.num_experts_per_tok,
                      embed=m.vocab_size * H, head=0 if m.tie_word_embeddings else m.vocab_size * H,
                      layer_dense=layer_dense, expert=expert_one, attn_width=attn_width, kv_per_token=kv,
-                     act_per_token_layer=act)
+                     act_per_token_layer=act, kv_heads=m.num_key_value_heads, dense_layers=m.first_k_dense_layers,
+                     dense_layer=kinds[0] if m.first_k_dense_layers else LayerParams(),
+                     moe_layer=kinds[m.first_k_dense_layers] if moe_layers else LayerParams(),
+                     mtp_layers=m.num_mtp_layers, mtp_layer=kinds[first_mtp] if m.num_mtp_layers else LayerParams(),
+                     final_norm=shapes["model.norm.weight"][0])
 
 
 def attention_quadratic(m: ModelConfig) -> float:

@@ -17,7 +17,8 @@ from rlhf.errors import ConfigError
 from rlhf.model.shapes import count_active_params, count_params
 from rlhf.sim import (Calibration, Candidate, EngineChoice, TrainerChoice, load_hardware, model_cost,
                       simulate_candidate, workload)
-from rlhf.sim.cost import _ring, engine_rank_params, sync_seconds, trainer_memory, trainer_params, trainer_phases
+from rlhf.sim.cost import _ring, sync_seconds, trainer_params, trainer_phases
+from rlhf.sim.memory import engine_rank_params, trainer_memory
 from rlhf.sim.fit import fit_phase, mape, spearman
 from rlhf.sim.hardware import Link, hardware_from_dict
 from rlhf.sim.search import SearchSpace, search
@@ -80,7 +81,12 @@ def test_parameters_per_rank_and_sync_bytes():
     assert dense == mc.layer_dense + mc.embed + mc.head
     assert expert == mc.moe_layers * mc.num_experts / 2 * mc.expert
     e = EngineChoice(tp=2, engines=1)
-    assert engine_rank_params(mc, e) == pytest.approx((mc.layer_dense + mc.embed + mc.head + mc.expert_total) / 2)
+    # attention and experts over tp; norms, routers and q/k norms whole on each rank; the vocabulary of 32 padded
+    # to 64 (vLLM's multiple) and split: 32 rows of the embedding and of the head each
+    whole = mc.layers * (mc.moe_layer.replicated + mc.moe_layer.stage)
+    assert mc.vocab == 32 and mc.dense_layers == 0
+    assert engine_rank_params(mc, e) == (mc.layer_dense - whole + mc.expert_total) / 2 + whole + 2 * 32 * mc.hidden \
+        + mc.final_norm
     hw = hardware_from_dict(HW)
     w = workload(cfg)
     c = Candidate(TrainerChoice(dp=2, ep=2), e, colocated=True, trainer_devices=2, rollout_devices=2)

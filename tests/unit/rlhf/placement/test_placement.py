@@ -13,7 +13,8 @@ from rlhf.schema import (
     TrainerConfig,
 )
 from rlhf.placement import (
-    ActorSlot, actor_options, device_map, engine_cpu_cores, format_devices, memory_estimate, parse_devices, placement_bundles,
+    ActorSlot, actor_options, device_map, engine_cpu_cores, format_devices, memory_estimate, parse_devices,
+    placement_bundles,
     transfer_devices, transfer_topology,
 )
 
@@ -255,6 +256,13 @@ def test_cli_plan_prints_the_map_and_ends_with_json(capsys):
     assert result["memory_max_bytes"] > GIB  # the engine's 1 GiB KV cache
     assert result["bytes_minimal"] > 0 and result["bytes_network"] > 0 and result["floor_seconds"] > 0
     assert "plan_seconds" in result
+    # the simulator's figures beside the shard-exact state: the same state, plus activations and the KV cache
+    assert "memory per role, simulated (rlhf simulate's model on hardware cpu_2core" in err
+    sim, state = result["memory_simulated_gib_per_device"]["roles"], result["memory_state_max_bytes"]
+    assert sim["trainer"]["state"] * GIB == pytest.approx(state["trainer"], rel=1e-9)
+    assert sim["trainer"]["total"] > sim["trainer"]["state"]
+    assert sim["rollout"]["state"] * GIB == pytest.approx(state["rollout"], rel=1e-9)
+    assert sim["rollout"]["kv_cache"] == 1.0 and sim["rollout"]["total"] > 1.0  # rollout.cpu_kv_cache_gib
 
 
 def test_cli_plan_refuses_a_bad_placement(capsys):
