@@ -21,6 +21,7 @@ padded to a multiple of 64 and split over tp, its experts over ep (or every expe
 
 from __future__ import annotations
 
+import functools
 import math
 
 from rlhf.layout import padded_vocab
@@ -33,17 +34,35 @@ LOGIT_CHUNK = 1024  # the fused LM head's token chunk (rlhf/model/head.py)
 ADAMW_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per stepped element
 
 
-def stage_layers(mc: ModelCost, pp: int) -> list[tuple[int, int]]:
+def stage_layers(mc: ModelCost, pp: int) -> tuple[tuple[int, int], ...]:
     """(dense layers, MoE layers) of each pipeline stage: the first layers / pp + 1 on the first stages, as
     `rlhf.layout.Layout.stage_layers` splits them; the dense layers come first."""
-    base, extra = divmod(mc.layers, pp)
+    return _split(mc.layers, mc.dense_layers, pp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(layers: int, dense_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    base, extra = divmod(layers, pp)
     out, start = [], 0
     for s in range(pp):
         n = base + (1 if s < extra else 0)
-        dense = max(0, min(start + n, mc.dense_layers) - start)
+        dense = max(0, min(start + n, dense_layers) - start)
         out.append((dense, n - dense))
         start += n
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _busiest_candidates(layers: int, dense_layers: int, pp: int) -> tuple[int, ...]:
+    """The stages that can be a trainer's busiest: the first (embedding, the most micro-batches in flight), the
+    last (head, MTP) and the first stage of each distinct layer split (later stages with the same split hold
+    the same state and fewer micro-batches in flight). The search costs thousands of layouts: pp up to the
+    layer count would make every stage a quadratic cost."""
+    split = _split(layers, dense_layers, pp)
+    first: dict[tuple[int, int], int] = {}
+    for s, layers_s in enumerate(split):
+        first.setdefault(layers_s, s)
+    return tuple(sorted({0, pp - 1, *first.values()}))
 
 
 def trainer_stage_params(mc: ModelCost, t: TrainerChoice, stage: int) -> tuple[dict, dict]:
@@ -51,21 +70,22 @@ def trainer_stage_params(mc: ModelCost, t: TrainerChoice, stage: int) -> tuple[d
     'dp' (the DP group: AdamW state split over it; ZeRO-3 splits their rows over it), 'stage' (every rank of the
     stage: state split over dp x tp; never row-split), 'expert' (routed experts: over the expert replicas).
     Frozen: the router's correction bias, the MTP modules."""
-    dense_layers, moe_layers = stage_layers(mc, t.pp)[stage]
-    per_shard = mc.num_experts // t.expert_shards * mc.expert
-    kv_split = min(t.tp, max(1, mc.kv_heads))
+    pp, tp, expert_shards = t.pp, t.tp, t.expert_shards
+    dense_layers, moe_layers = stage_layers(mc, pp)[stage]
+    per_shard = mc.num_experts // expert_shards * mc.expert
+    kv_split = min(tp, max(1, mc.kv_heads))
     stepped = {"dp": 0.0, "stage": 0.0, "expert": moe_layers * per_shard}
     frozen = {"dp": 0.0, "stage": 0.0, "expert": 0.0}
     for n, lp in ((dense_layers, mc.dense_layer), (moe_layers, mc.moe_layer)):
-        stepped["dp"] += n * (lp.split / t.tp + lp.kv / kv_split + lp.replicated)
+        stepped["dp"] += n * (lp.split / tp + lp.kv / kv_split + lp.replicated)
         stepped["stage"] += n * lp.stage
         frozen["stage"] += n * lp.frozen
     if stage == 0:
         stepped["dp"] += mc.embed
-    if stage == t.pp - 1:
+    if stage == pp - 1:
         stepped["dp"] += mc.head + mc.final_norm
         lp = mc.mtp_layer
-        frozen["dp"] += mc.mtp_layers * (lp.split / t.tp + lp.kv / kv_split + lp.replicated)
+        frozen["dp"] += mc.mtp_layers * (lp.split / tp + lp.kv / kv_split + lp.replicated)
         frozen["stage"] += mc.mtp_layers * (lp.stage + lp.frozen)
         frozen["expert"] += mc.mtp_layers * per_shard
     return stepped, frozen
@@ -77,7 +97,7 @@ def trainer_state_bytes(mc: ModelCost, t: TrainerChoice, nbytes: int, stage: int
     the row shards (over dp; experts over their replicas; what the stage shares stays whole, its state as
     ZeRO-1's), gradients and state of those rows; the gathered layer is `trainer_memory`'s."""
     if stage is None:
-        return max(trainer_state_bytes(mc, t, nbytes, s) for s in range(t.pp))
+        return max(trainer_state_bytes(mc, t, nbytes, s) for s in _busiest_candidates(mc.layers, mc.dense_layers, t.pp))
     stepped, frozen = trainer_stage_params(mc, t, stage)
     replicas_e = max(1, t.dp * t.tp // t.expert_shards)
     state = stepped["dp"] / t.dp + stepped["stage"] / (t.dp * t.tp) + stepped["expert"] / replicas_e
@@ -104,7 +124,9 @@ def trainer_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
     layer = max(mc.dense_layer.on_rank(t.tp, mc.kv_heads), mc.moe_layer.on_rank(t.tp, mc.kv_heads)
                 + mc.num_experts // t.expert_shards * mc.expert)
     best = 0.0
-    for s, (dense, moe) in enumerate(stage_layers(mc, t.pp)):
+    split = stage_layers(mc, t.pp)
+    for s in _busiest_candidates(mc.layers, mc.dense_layers, t.pp):
+        dense, moe = split[s]
         act = mb * nb * (dense + moe) * per_layer * min(t.pp - s, micro)
         if t.recompute:
             act += mb * nb * mc.act_per_token_layer / t.tp
@@ -115,7 +137,8 @@ def trainer_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
 
 def reference_state_bytes(mc: ModelCost, t: TrainerChoice, nbytes: int) -> float:
     """The reference's parameters on its busiest rank (the trainer's layout and shards, nothing stepped)."""
-    return max(sum(_held(p, t) for p in trainer_stage_params(mc, t, s)) for s in range(t.pp)) * nbytes
+    return max(sum(_held(p, t) for p in trainer_stage_params(mc, t, s))
+               for s in _busiest_candidates(mc.layers, mc.dense_layers, t.pp)) * nbytes
 
 
 def reference_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
