@@ -111,6 +111,10 @@ def ray_cluster():
     temp_dir = Path(tempfile.mkdtemp(prefix="rlhf-rayjob-", dir="/tmp"))
     gcs, dashboard = _free_port(), _free_port()
     cluster = Cluster(f"http://127.0.0.1:{dashboard}", gcs, temp_dir)
+    # the cluster's processes keep their temp files (multiprocessing's pymp-* dirs among them: the stop below
+    # kills, so their exit handlers never remove them) under the cluster's dir, removed with it
+    tmp = temp_dir / "tmp"
+    tmp.mkdir()
     try:
         t0 = time.monotonic()
         r = cluster.ray("start", "--head", "--port", str(gcs),
@@ -118,7 +122,7 @@ def ray_cluster():
                         "--ray-client-server-port", str(_free_port()),
                         "--dashboard-agent-listen-port", str(_free_port()),
                         "--resources", json.dumps({"rlhf_device": 2}), "--num-cpus", "2",
-                        "--temp-dir", str(temp_dir), "--disable-usage-stats", timeout=START_TIMEOUT_S)
+                        "--temp-dir", str(temp_dir), "--disable-usage-stats", timeout=START_TIMEOUT_S, TMPDIR=str(tmp))
         assert r.returncode == 0, f"ray start failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         print(f"ray start: {time.monotonic() - t0:.1f} s", file=sys.stderr)
         yield cluster
