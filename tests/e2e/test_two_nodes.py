@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,8 +64,11 @@ def _env(**extra: str) -> dict:
 def cluster():
     import psutil
 
+    # the cluster's processes keep their temp files in a dir of their own, removed at the end (a raylet or dashboard
+    # that is killed never runs multiprocessing's exit handler, which removes its /tmp/pymp-* dir)
+    tmp = tempfile.mkdtemp(prefix="rlhf-2nodes-", dir="/tmp")
     helper = subprocess.Popen([sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, cwd=REPO, env=_env())
+                              text=True, cwd=REPO, env=_env(TMPDIR=tmp))
     try:
         line = helper.stdout.readline()
         assert line, "the two-node cluster did not start"
@@ -80,6 +85,7 @@ def cluster():
                 p.kill()
             except psutil.Error:
                 pass
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _overrides(d: Path, out: Path, *extra: str) -> list[str]:
