@@ -76,9 +76,15 @@ def grad_reduced_over_stage(name: str) -> bool:
     return any(re.search(p, name) for p in STAGE_REDUCED_GRADS)
 
 
+def frozen_by_name(name: str) -> bool:
+    """Never stepped whatever layer holds it (`FROZEN`: the router's correction bias)."""
+    return any(re.search(p, name) for p in FROZEN)
+
+
 def is_frozen(name: str, cfg: ModelConfig) -> bool:
+    """Never stepped: frozen by name, or in an MTP module (a layer past the decoder's)."""
     m = _LAYER.match(name)
-    return any(re.search(p, name) for p in FROZEN) or (m is not None and int(m.group(1)) >= cfg.num_hidden_layers)
+    return frozen_by_name(name) or (m is not None and int(m.group(1)) >= cfg.num_hidden_layers)
 
 
 def split_of(name: str) -> Split:

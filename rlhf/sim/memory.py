@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 
-from rlhf.layout import padded_vocab
+from rlhf.layout import Layout, padded_vocab
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.workload import ModelCost, Workload
@@ -42,13 +42,10 @@ def stage_layers(mc: ModelCost, pp: int) -> tuple[tuple[int, int], ...]:
 
 @functools.lru_cache(maxsize=1024)
 def _split(layers: int, dense_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
-    base, extra = divmod(layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        dense = max(0, min(start + n, dense_layers) - start)
-        out.append((dense, n - dense))
-        start += n
+    out = []
+    for r in Layout(pp=pp).stage_layers(layers):  # the trainer's split; the dense layers come first
+        dense = max(0, min(r.stop, dense_layers) - r.start)
+        out.append((dense, len(r) - dense))
     return tuple(out)
 
 

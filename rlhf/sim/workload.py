@@ -4,12 +4,11 @@ from a run config). Pure."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from rlhf.model.shapes import param_shapes
-from rlhf.model.sharding import FROZEN, Split, grad_reduced_over_stage, split_of
+from rlhf.model.sharding import Split, frozen_by_name, grad_reduced_over_stage, split_of
 from rlhf.schema import Attention, ModelConfig, RewardKind, RunConfig
 from weight_sync.plan import DTYPE_BYTES
 
@@ -36,7 +35,7 @@ class LayerParams:
     def add(self, name: str, n: int) -> "LayerParams":
         split = split_of(name)
         kind = ("split" if split in (Split.tp_rows, Split.tp_cols) else "kv" if split is Split.tp_kv_rows
-                else "frozen" if any(re.search(p, name) for p in FROZEN)
+                else "frozen" if frozen_by_name(name)
                 else "stage" if grad_reduced_over_stage(name) else "replicated")
         return replace(self, **{kind: getattr(self, kind) + n})
 
