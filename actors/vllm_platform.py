@@ -88,9 +88,8 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
 def no_compile() -> None:
     """No torch.compile in this process or the engine processes it starts. With enforce_eager vLLM still
     compiles its sampler's logprob-rank counter (`batched_count_greater_than`) with inductor at the first
-    generation: on cpu a C++ build of 15-20 s per engine process on 2 cores (3-4 s when inductor's cache in
-    TMPDIR holds it, which an engine in a process of its own does not keep), for one comparison and sum that
-    runs eagerly with the same result (docs/rollout.md)."""
+    generation, on cpu a C++ build that made a run's first evaluation 20 s here, for one comparison and sum
+    that runs eagerly with the same result (docs/rollout.md)."""
     import torch
 
     os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when a worker process imports torch
