@@ -1,9 +1,9 @@
 """The distributed tests' process pool: `run_ranks` calls of the modules below reuse up to four processes
 instead of starting (and importing torch and the test module in) new ones per call (on 2 cores tests/dist took
-7.6 min pooled against about 17 min before, `pytest tests/dist --durations=10`). A call that fails or hangs ends the pool's processes; the next starts new ones. The pool ends after the
-last test of this directory (its processes hold ~0.5 GB each). Modules whose ranks keep process-wide resources
-between calls (shared-memory segments of the weight sync, vLLM engines) or that test a stalled peer run in
-processes of their own, as before."""
+7.6 min pooled against about 17 min before, `pytest tests/dist --durations=10`). A call that fails or hangs
+ends the pool's processes; the next starts new ones. The pool ends after the last test of this directory (its
+processes hold ~0.5 GB each). Modules whose ranks keep process-wide resources between calls (shared-memory
+segments of the weight sync, vLLM engines) or that test a stalled peer run in processes of their own."""
 
 from __future__ import annotations
 
