@@ -80,6 +80,7 @@ class ReceiveReply:
     seconds: float
     ranks: tuple[int, ...] = ()  # transfer rank of each worker
     bytes_per_rank: tuple[int, ...] = ()  # bytes each worker received (network + shared memory)
+    install_path: str = ""  # "direct", "reload" (vLLM's) or "in place" (`actors.vllm_worker_ext.rlhf_install`)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
 _REQUESTS = itertools.count()  # request ids of stepwise generations
 
 
@@ -211,10 +209,11 @@ class VLLMEngine:
                 self._install_failed(version, failed)
                 raise RuntimeError(f"weight sync to version {version} failed while installing: {failed}")
             t1 = time.time() - received[0]["install_seconds"]
+            paths = {received[0]["install_path"]}
         else:
             t1 = time.time()
             try:
-                self.llm.collective_rpc("rlhf_install")
+                paths = {r["path"] for r in self.llm.collective_rpc("rlhf_install")}
             except Exception as e:
                 self._install_failed(version, (str(e).splitlines() or [type(e).__name__])[0])
                 raise
@@ -223,7 +222,8 @@ class VLLMEngine:
         return ReceiveReply(version, sum(r["bytes_received"] for r in received), sum(r["bytes_shm"] for r in received),
                             sum(r["bytes_in_place"] for r in received), sum(r["checked_transfers"] for r in received),
                             t1 - t0, time.time() - t1, t0, time.time() - t0,
-                            ranks=tuple(r["rank"] for r in received), bytes_per_rank=per_rank)
+                            ranks=tuple(r["rank"] for r in received), bytes_per_rank=per_rank,
+                            install_path="/".join(sorted(paths)))
 
     @staticmethod
     def _install_failed(version: int, why: str) -> None:

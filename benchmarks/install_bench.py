@@ -1,12 +1,17 @@
-"""The engine-side install of a weight sync on CPU, side by side: vLLM's layer-wise reload as it comes,
-against the same reload with its element counts remembered (`actors.vllm_worker_ext._counts_remembered`).
+"""The engine-side install of a weight sync on CPU, side by side: vLLM's layer-wise reload as it comes
+(`plain`), the same reload with its element counts remembered (`remembered`, `actors.vllm_worker_ext.
+_counts_remembered`), and the direct install from the staging buffers (`direct`, `actors.vllm_install`),
+which the loop uses where the model's layers allow it.
 
     python -m benchmarks.install_bench                                    # the tiny model, 8 rounds
     python -m benchmarks.install_bench --model configs/model/qwen3_moe_small.yaml --rounds 3
 
 One engine (tp1, its engine core in this process), random weights of the model's shape (our code, under
-`out/bench/<model name>`), every HF tensor installed per round, the two variants alternating so both
-see the same machine. Prints one JSON line: seconds of each variant per round, their medians and ratio.
+`out/bench/<model name>`). Each round installs a second set of random weights with each variant in turn,
+so all three see the same machine: the reloads from whole HF tensors, the direct install from the
+buffers a sync stages (vLLM's names and shapes). After the rounds, the engine's logprobs on a few sequences
+after each variant's install are compared: `exact` says all three serve bit for bit the same model. Prints
+one JSON line: seconds of each variant per round, their medians and the ratios.
 """
 
 from __future__ import annotations
@@ -18,20 +23,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("plain", "remembered", "direct")
 
 
-def _time_installs(worker, weights, rounds: int) -> dict:
-    """In the worker: alternate the plain and the remembered reload; the first remembered one fills the memo."""
+def _plain(worker, hf: list) -> float:
+    """In the worker: vLLM's reload without the remembered counts; seconds."""
     import time
 
-    worker._rlhf_reload(iter(weights))  # warm-up, and the counts remembered from here on
-    out = {"plain": [], "remembered": []}
-    for _ in range(rounds):
-        for name, reload in (("plain", worker._rlhf_reload_layerwise), ("remembered", worker._rlhf_reload)):
-            t0 = time.perf_counter()
-            reload(iter(weights))
-            out[name].append(round(time.perf_counter() - t0, 4))
-    return out
+    t0 = time.perf_counter()
+    worker._rlhf_reload_layerwise(iter(hf))
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,26 +43,63 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
 
-    from safetensors.torch import load_file
+    import torch
+    from safetensors.torch import save_file
 
     from actors.vllm_engine import VLLMEngine
     from benchmarks.reshard_loop import write_policy
     from rlhf.config import load_model_config
+    from rlhf.layout import InferenceLayout
+    from rlhf.model.engine_sharding import engine_shard_spec
+    from rlhf.model.hf_io import to_hf_tensors
+    from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
     from rlhf.schema import RolloutConfig
+    from weight_sync.pieces import fill_buffers
 
     cfg = load_model_config(args.model)
     model_dir = write_policy(cfg, REPO / "out" / "bench")
-    weights = sorted(load_file(str(model_dir / "model.safetensors")).items())
+    update = Qwen3MoeForCausalLM(cfg)
+    update.init_weights(1, std=0.02)  # the weights every install puts in (another seed than the engine's)
+    hf = sorted(to_hf_tensors(update.state_dict(), cfg))
+    del update
+    whole = dict(hf)
+    mine = engine_shard_spec(cfg, InferenceLayout(tp=1)).ranks[0]
+    staged = {n: torch.zeros(s) for n, s in mine.buffers}  # as a sync stages them: padding rows zero
+    fill_buffers(mine.pieces, mine.buffer_shapes(), lambda p: whole[p.param][p.box.slices()], staged)
+    seqs = torch.randint(3, cfg.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0)).tolist()
+
     engine = VLLMEngine(str(model_dir), RolloutConfig(engine_core_in_process=True),
                         max_model_len=min(cfg.max_position_embeddings, 256))
+    files = REPO / "out" / "bench" / f"{cfg.name}_install"
+    files.mkdir(parents=True, exist_ok=True)
+    save_file(dict(hf), files / "hf.safetensors")
+    save_file(staged, files / "staged.safetensors")
+
+    def rpc(variant: str) -> float:
+        if variant == "plain":
+            return engine.llm.collective_rpc(_plain, args=(hf,))[0]
+        how, name = ("reload", "hf") if variant == "remembered" else ("direct", "staged")
+        return engine.llm.collective_rpc("rlhf_install_file", args=(str(files / f"{name}.safetensors"), how))[0]
+
     try:
-        seconds = engine.llm.collective_rpc(_time_installs, args=(weights, args.rounds))[0]
+        for variant in VARIANTS:  # warm-up: the direct install built, the counts remembered
+            rpc(variant)
+        seconds = {v: [] for v in VARIANTS}
+        for _ in range(args.rounds):
+            for variant in VARIANTS:
+                seconds[variant].append(round(rpc(variant), 4))
+        logprobs = {}
+        for variant in VARIANTS:
+            rpc(variant)
+            logprobs[variant] = engine.sequence_logprobs(seqs)
     finally:
         engine.close()
-    plain, remembered = statistics.median(seconds["plain"]), statistics.median(seconds["remembered"])
-    print(json.dumps({"model": cfg.name, "tensors": len(weights), "rounds": args.rounds, "seconds": seconds,
-                      "plain_median_s": plain, "remembered_median_s": remembered,
-                      "speedup": round(plain / remembered, 2)}))
+    medians = {v: statistics.median(s) for v, s in seconds.items()}
+    print(json.dumps({"model": cfg.name, "tensors_hf": len(hf), "buffers_staged": len(staged), "rounds": args.rounds,
+                      "seconds": seconds, **{f"{v}_median_s": m for v, m in medians.items()},
+                      "remembered_over_plain": round(medians["plain"] / medians["remembered"], 2),
+                      "direct_over_remembered": round(medians["remembered"] / medians["direct"], 2),
+                      "exact": all(logprobs[v] == logprobs["plain"] for v in VARIANTS)}))
     return 0
 
 

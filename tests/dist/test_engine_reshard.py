@@ -146,6 +146,7 @@ def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, 
         assert sum(reply.bytes_per_rank) == plan.bytes_minimal
         if engines.world_size > 1:  # nobody receives the whole model unless it holds the whole model
             assert 0 < max(reply.bytes_per_rank) < plan.bytes_minimal
+        assert reply.install_path == "direct"  # from the staging buffers, without vLLM's reload (cpu)
     follows = engines.ep > 1
     assert sum(sum(r["sent"][:len(SYNCS)]) for r in results[:W]) == len(SYNCS) * plan.bytes_minimal  # no shm
 

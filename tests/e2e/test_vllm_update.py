@@ -67,6 +67,36 @@ def test_update_is_exact_against_a_fresh_engine(setup):
     assert {c.weight_version for c in out} == {2}
 
 
+def _staged(model):
+    """The model's weights as a sync stages them for a tp1 engine: vLLM's names and shapes, padding rows zero."""
+    from rlhf.layout import InferenceLayout
+    from rlhf.model.engine_sharding import engine_shard_spec
+    from weight_sync.pieces import fill_buffers
+
+    whole, mine = dict(_hf(model)), engine_shard_spec(model.config, InferenceLayout(tp=1)).ranks[0]
+    out = {n: torch.zeros(s) for n, s in mine.buffers}
+    return dict(fill_buffers(mine.pieces, mine.buffer_shapes(), lambda p: whole[p.param][p.box.slices()], out))
+
+
+def test_direct_install_serves_what_vllms_reload_serves(setup, tmp_path):
+    """The install a sync takes on cpu (`actors.vllm_install`: each layer's post-load processing on the staged
+    buffers, without vLLM's layer-wise reload) serves bit for bit what vLLM's reload of the same weights does."""
+    from safetensors.torch import save_file
+
+    engine, m1, m2, seqs = setup
+
+    def logprobs(how, tensors):
+        save_file(dict(tensors), tmp_path / "w.safetensors")
+        engine.llm.collective_rpc("rlhf_install_file", args=(str(tmp_path / "w.safetensors"), how))
+        assert engine.llm.reset_prefix_cache()
+        return engine.sequence_logprobs(seqs.tolist())
+
+    direct = logprobs("direct", _staged(m2))
+    assert direct == logprobs("reload", _hf(m2))
+    assert (torch.tensor(direct) - _ours(m2, seqs)).abs().max() <= 1e-5
+    assert logprobs("direct", _staged(m1)) == logprobs("reload", _hf(m1))  # and back, as the module began
+
+
 def _write(tensors, d):
     from safetensors.torch import save_file
 

@@ -1,0 +1,153 @@
+"""Install a worker's staged weights into vLLM's model directly: each layer's post-load processing on buffers
+that already hold vLLM's (checkpoint-format) parameters, without vLLM's layer-wise reload.
+
+Where it is used: on cpu, where vLLM processes weights after loading (oneDNN handlers for linear layers, the
+MoE prepack) so a sync cannot write into the parameters it serves from. The staging buffers of a sync are
+already in vLLM's parameter names and shapes (`rlhf.model.engine_sharding`): fused qkv, merged gate/up,
+stacked experts, this worker's TP slice and local experts, vocabulary padding rows zero. What vLLM's reload
+does with them (`reload.layerwise`: meta tensors, a wrapper around every weight loader, element counting,
+the loaders narrowing and copying each HF tensor) only rebuilds those same buffers: about 70 % of an install
+of the tiny model (`benchmarks.install_bench`). This does what remains, per layer, in vLLM's own order:
+
+- a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE):
+  its parameters replaced by copies of the staged buffers, the method's `process_weights_after_loading`
+  (the MoE one on its first-load path: kernel built, experts prepacked; `vllm_worker_ext` says why), then the
+  processed values copied into the layer's previous parameter storage and those parameters put back
+  (vLLM's `_copy_and_restore_kernel_tensors`: whatever held them still sees the new values);
+- any other parameter (norms): copied in place;
+- then every attention layer's own post-load processing, as vLLM's reload finalizes (MLA derives its
+  absorbed projections from `kv_b_proj` there).
+
+Copies, not the staging buffers themselves, go into the layers: the next sync receives into the staging
+buffers while the engine may still serve, so nothing vLLM keeps may alias them. A model with a layer of
+another kind (a quantized method, a parameter that is not staged) gets None from `DirectInstall.build`,
+and the worker keeps vLLM's reload. Exactness is the tests': logprobs after a sync equal a fresh engine's on
+the same weights (tests/dist/test_engine_reshard.py), and the direct install equals vLLM's reload bit for bit
+(tests/e2e/test_vllm_update.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _processed_methods() -> tuple[type, ...]:
+    """vLLM's quant methods for unquantized weights, whose post-load processing this module replays."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod
+
+
+@dataclass
+class _Layer:
+    module: torch.nn.Module
+    names: dict[str, str]  # attribute -> staged buffer name
+
+
+def _holder(model: torch.nn.Module, module_name: str, attrs: set[str]) -> torch.nn.Module | None:
+    """The module whose own parameters the staged `module_name.<attr>` names: that module, or else its one
+    descendant holding them (vLLM 0.32 keeps `mlp.experts.w13_weight` in `mlp.experts.routed_experts`)."""
+    try:
+        top = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    found = [m for m in top.modules() if attrs <= {n for n, p in m._parameters.items() if p is not None}]
+    return top if top in found else found[0] if len(found) == 1 else None
+
+
+class DirectInstall:
+    """Built once per worker and staging layout; called with the staged buffers after every intact receive."""
+
+    def __init__(self, processed: list[_Layer], plain: list[tuple[torch.Tensor, str]],
+                 attention: list[torch.nn.Module], dtype: torch.dtype):
+        self.processed, self.plain, self.attention, self.dtype = processed, plain, attention, dtype
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, buffers: Mapping[str, tuple[int, ...]],
+              dtype: torch.dtype) -> "DirectInstall | None":
+        """The install for staging buffers of these names and shapes, or None (and why, logged) when some layer
+        is not one this module knows how to process."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        known = _processed_methods()
+        by_module: dict[str, dict[str, str]] = {}
+        for name in buffers:
+            module_name, _, attr = name.rpartition(".")
+            by_module.setdefault(module_name, {})[attr] = name
+        holders = {}
+        for module_name, names in by_module.items():
+            holders[module_name] = _holder(model, module_name, set(names))
+            if holders[module_name] is None:
+                return cls._refuse(f"no module of the engine's model at {module_name!r} holds {sorted(names)}")
+        staged_params = {id(holders[m]._parameters[a]) for m, names in by_module.items() for a in names}
+        processed, plain = [], []
+        for module_name, names in by_module.items():
+            module = holders[module_name]
+            qm = getattr(module, "quant_method", None)
+            own = {n: p for n, p in module._parameters.items() if p is not None}
+            if qm is not None:
+                if type(qm) not in known:  # exactly vLLM's: a subclass may process differently
+                    return cls._refuse(f"{module_name} has quant method {type(qm).__name__}")
+                # every parameter of the layer is staged here, or is one staged under another module (DeepSeek-V3's
+                # experts share the gate's correction bias): nothing the processing reads is left unset
+                unstaged = sorted(n for n, p in own.items() if n not in names and id(p) not in staged_params)
+                if unstaged or not set(names) <= set(own):
+                    return cls._refuse(f"{module_name} holds {sorted(own)}, the sync stages {sorted(names)}")
+                processed.append(_Layer(module, names))
+                continue
+            if callable(getattr(module, "process_weights_after_loading", None)):  # derives something from them
+                return cls._refuse(f"{module_name} processes its weights after loading")
+            for attr, name in names.items():
+                p = own.get(attr)
+                if p is None or tuple(p.shape) != tuple(buffers[name]) or p.dtype != dtype:
+                    return cls._refuse(f"{name}: no {dtype} parameter of shape {tuple(buffers[name])} to copy into")
+                plain.append((p, name))
+        attention = [m for m in model.modules() if is_deferred_attention_layer(m)]
+        return cls(processed, plain, attention, dtype)
+
+    @staticmethod
+    def _refuse(why: str) -> None:
+        log.warning("weights install through vLLM's reload: %s", why)
+        return None
+
+    @torch.no_grad()
+    def __call__(self, staged: Mapping[str, torch.Tensor]) -> int:
+        """Install every staged buffer; returns how many. An exception leaves a mix of versions (the caller
+        must not serve)."""
+        for p, name in self.plain:
+            p.data.copy_(staged[name])
+        for layer in self.processed:
+            self._process(layer, staged)
+        for module in self.attention:
+            module.process_weights_after_loading(self.dtype)
+        return len(self.plain) + sum(len(layer.names) for layer in self.processed)
+
+    @staticmethod
+    def _process(layer: _Layer, staged: Mapping[str, torch.Tensor]) -> None:
+        module = layer.module
+        qm = module.quant_method
+        kernel = {n: p for n, p in module._parameters.items() if p is not None}
+        for attr, name in layer.names.items():
+            module.register_parameter(attr, torch.nn.Parameter(staged[name].clone(), requires_grad=False))
+        saved_kernel = getattr(qm, "moe_kernel", None)
+        if saved_kernel is not None:
+            qm.moe_kernel = None  # vLLM's first-load path: replace, build the kernel, prepack (vllm_worker_ext)
+        try:
+            qm.process_weights_after_loading(module)
+            if hasattr(module, "update_param_tp_status"):
+                module.update_param_tp_status()
+            for attr, p in kernel.items():
+                p.data.copy_(getattr(module, attr))
+        finally:
+            if saved_kernel is not None and qm.moe_kernel is None:
+                qm.moe_kernel = saved_kernel
+            for attr, p in kernel.items():
+                module.register_parameter(attr, p)
