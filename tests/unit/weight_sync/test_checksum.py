@@ -5,7 +5,7 @@ transfers travel alone, the rest are packed in plan order up to the bucket size.
 import pytest
 import torch
 
-from weight_sync.p2p import _block_bytes, _buckets, bucket_checksum
+from weight_sync.p2p import _block_bytes, _buckets, all_finite, bucket_checksum
 from weight_sync.plan import Transfer
 from weight_sync.spec import Box
 
@@ -44,3 +44,22 @@ def test_large_transfers_travel_alone_the_rest_fill_buckets_in_order():
     assert [[t.numel for t in b] for b in _buckets(tuple(transfer(n) for n in sizes), 4, 1 << 20, 1024)] == \
         [[10, 10], [300], [10, 10, 10], [1000], [5]]
     assert _buckets((), 4, 100) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_check_catches_every_nan_and_inf_and_no_finite_overflow(dtype):
+    """The received-bucket check (`all_finite`: a sum first, the elementwise check when the sum is not finite)
+    agrees with `isfinite(...).all()` everywhere: one NaN, +inf or -inf anywhere, +inf beside -inf, and finite
+    values whose sum overflows (finite, so accepted)."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 2500, 4999):
+            y = x.clone()
+            y[i] = bad
+            assert not all_finite(y)
+    y = x.clone()
+    y[1], y[2] = float("inf"), -float("inf")
+    assert not all_finite(y)
+    big = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
