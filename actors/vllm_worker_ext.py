@@ -342,16 +342,17 @@ class WeightUpdateExtension:
         """Where this worker receives: straight into the model's parameters when vLLM keeps them in the
         buffers' (checkpoint) shapes on this device (cuda, npu: UNTESTED here, no device); otherwise into
         staging buffers, installed by `rlhf_install` (cpu, where vLLM prepacks weights after loading)."""
+        if self._rlhf_staging is not None:  # decided at the first sync of this layout: the model's walk skipped
+            return self._rlhf_staging, False
         params = dict(self.model_runner.get_model().named_parameters())
         device = next(iter(params.values())).device
         if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
             return {n: params[n].data for n, _ in mine.buffers}, True
-        if self._rlhf_staging is None:  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
-            dtype = getattr(torch, spec.dtype)
-            self._rlhf_staging = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
-            from actors.vllm_install import DirectInstall
+        from actors.vllm_install import DirectInstall
 
-            self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
+        dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
+        self._rlhf_staging = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
+        self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
         return self._rlhf_staging, False
 
     def rlhf_receive(self, payload: bytes, same_device: list, fault_rank: int = -1) -> dict:
