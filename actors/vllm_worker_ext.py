@@ -9,11 +9,10 @@ logprobs drift (1e-2 to 1 against a fresh engine). Dense layers and the router r
 What this extension does: for every MoE layer it clears the quant method's `moe_kernel` before the
 model runner's `reload_weights`, so the layer takes the first-load path (replace parameters, build
 the kernel, prepack), then restores the old kernel object for any layer the update did not rebuild.
-Weights arrive as (HF name, tensor) pairs in checkpoint format, because on CPU linear weights are
-prepacked after loading and cannot be written in kernel format; each worker's loader narrows full
-HF-shaped tensors to its own TP slice or experts, so a worker only needs its own boxes filled
-(`install_boxes`). Every update is verified: names and shapes against the model's HF table, finite
-values, and a CRC32 per tensor against the sender's; a failure raises before any weight is touched.
+Weights arrive in checkpoint format, because on CPU linear weights are prepacked after loading and cannot
+be written in kernel format. A sync's staging buffers are installed directly where the model's layers allow
+(`actors.vllm_install`), else as HF tensors with only this worker's boxes filled (its loaders narrow them).
+Every update is verified first (names, shapes, finite values, checksums); a failure touches no weight.
 """
 
 from __future__ import annotations
@@ -267,6 +266,8 @@ class WeightUpdateExtension:
 
         from actors.vllm_install import DirectInstall
 
+        if how not in ("direct", "reload"):
+            raise ValueError(f"rlhf_install_file: how={how!r}; give 'direct' (vLLM's names) or 'reload' (HF names)")
         tensors = load_file(path)
         t0 = time.perf_counter()
         if how == "reload":
@@ -399,9 +400,8 @@ class WeightUpdateExtension:
     def rlhf_install(self) -> dict:
         """Install what `rlhf_receive` staged: each HF tensor this worker holds a part of, with only its own
         boxes filled (vLLM's loaders read exactly those: TP slices, local experts), through the exact
-        reload above; or, where the model's layers allow it, straight from the staging buffers (`actors.
-        vllm_install.DirectInstall`: each layer's post-load processing without vLLM's reload, about 3x faster).
-        Nothing to do where the receive went straight into the parameters. "path" says which was taken."""
+        reload above; or straight from the staging buffers where the layers allow (`actors.vllm_install`, ~3x
+        faster); nothing where the receive went into the parameters. "path" says which was taken."""
         import time
 
         from weight_sync.pieces import assemble, buffer_region

@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     fill_buffers(mine.pieces, mine.buffer_shapes(), lambda p: whole[p.param][p.box.slices()], staged)
     seqs = torch.randint(3, cfg.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0)).tolist()
 
-    engine = VLLMEngine(str(model_dir), RolloutConfig(engine_core_in_process=True),
-                        max_model_len=min(cfg.max_position_embeddings, 256))
-    files = REPO / "out" / "bench" / f"{cfg.name}_install"
+    files = REPO / "out" / "bench" / f"{cfg.name}_install"  # what each install reads (the worker loads the file)
     files.mkdir(parents=True, exist_ok=True)
     save_file(dict(hf), files / "hf.safetensors")
     save_file(staged, files / "staged.safetensors")
+    engine = VLLMEngine(str(model_dir), RolloutConfig(engine_core_in_process=True),
+                        max_model_len=min(cfg.max_position_embeddings, 256))
 
     def rpc(variant: str) -> float:
         if variant == "plain":

@@ -79,7 +79,7 @@ def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in `t`. Its sum is finite exactly when every element is, unless finite elements overflow
     the sum (then the elementwise check decides): a NaN or an inf element makes any IEEE sum NaN or inf. One
-    reduction, ~18x cheaper than `isfinite(t).all()` on this CPU (0.05 against 0.9 ms for 1.6 MB)."""
+    reduction instead of an elementwise pass into a bool tensor and a second reduction."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
