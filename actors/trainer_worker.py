@@ -73,7 +73,8 @@ class PolicyWorker:
             dist.all_gather_object(nodes, _node_id())
             per_node = ranks_per_node(nodes)
         self.trainer = ParallelTrainer(self.model_cfg, self.tcfg, self.layout, self.rank, self.model_dir,
-                                       ranks_per_node=per_node, hierarchical_ep=self.tcfg.hierarchical_ep)
+                                       ranks_per_node=per_node, hierarchical_ep=self.tcfg.hierarchical_ep,
+                                       device=self._device())
         return {"rank": self.rank, "seconds": time.time() - t0, "ranks_per_node": per_node}
 
     @property
@@ -241,8 +242,9 @@ def _rows_reply(batch: TokenBatch, rows: list[torch.Tensor], out: list[tuple[tor
     """Per-micro-batch (logp, entropy) [rows, T'-1], padded to the batch's length, with their batch rows (and
     the route mismatch counts [rows, T'] of the same micro-batches, when measured)."""
     T = batch.mask_BT.shape[1]
-    logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out])
-    ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out])
+    # computed on the rank's device; the reply travels in host memory
+    logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp, _ in out]).cpu()
+    ent = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[1])) for _, e in out]).cpu()
     differs = None
     if route_differs:
         assert all(torch.equal(r, d_rows) for r, (d_rows, _) in zip(rows, route_differs))

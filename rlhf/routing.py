@@ -41,17 +41,21 @@ class Routing:
 
     def differ_count_BT(self, B: int, T: int) -> torch.Tensor:
         """Per token, how many of this forward's MoE layers chose another top-k set than the engine."""
-        out = torch.zeros(B * T, dtype=ROUTE_DTYPE)
+        out = torch.zeros(B * T, dtype=ROUTE_DTYPE, device=_device_of(self.differs))
         for d in self.differs.values():
             out += d.to(ROUTE_DTYPE)
         return out.view(B, T)
 
     def chosen_BTLk(self, B: int, T: int, num_layers: int, k: int) -> torch.Tensor:
         """The recorded choices as routes; layers this forward did not run (another stage's) stay -1."""
-        out = torch.full((B * T, num_layers, k), -1, dtype=ROUTE_DTYPE)
+        out = torch.full((B * T, num_layers, k), -1, dtype=ROUTE_DTYPE, device=_device_of(self.chosen))
         for l, c in self.chosen.items():
             out[:, l] = c
         return out.view(B, T, num_layers, k)
+
+
+def _device_of(per_layer: dict[int, torch.Tensor]) -> torch.device:
+    return next(iter(per_layer.values())).device if per_layer else torch.device("cpu")
 
 
 def route(probs_SE: torch.Tensor, k: int, forced_Sk: Optional[torch.Tensor], choice_SE: Optional[torch.Tensor] = None):

@@ -29,7 +29,7 @@ from typing import Callable, Collection, Mapping
 
 import torch
 
-from weight_sync.group import irecv, isend
+from weight_sync.group import control_of, irecv, isend
 from weight_sync.plan import Plan, Transfer
 from weight_sync.shm import ShmTransport, pair_set
 
@@ -115,21 +115,21 @@ class _Batch:
     """A round of sends and receives on the group. Backends that run point-to-point operations as device
     kernels (nccl, hccl: `supports_coalescing`) get them as one group launch (ncclGroupStart / End),
     without which two ranks sending to each other can deadlock; gloo runs each one as it is issued.
-    Untested on devices (none here)."""
+    `active`: whether the round posts anything (an empty group launch is not opened). Run on CUDA (nccl)."""
 
-    def __init__(self, group, device: torch.device):
-        backend = getattr(group, "group", None)  # a TransferGroup's c10d backend
-        on = backend is not None and device.type != "cpu" and backend.supports_coalescing
+    def __init__(self, group, device: torch.device, active: bool = True):
+        backend = getattr(group, "group", None)  # a TransferGroup's c10d backend (not a ProcessGroup: no device)
+        on = active and backend is not None and device.type != "cpu" and backend.supports_coalescing
         self.backend, self.device, self.work = backend if on else None, device, None
 
     def __enter__(self):
         if self.backend is not None:
-            self.backend._start_coalescing(self.device)
+            self.backend._start_coalescing()
         return self
 
     def __exit__(self, *exc):
         if self.backend is not None:
-            self.work = self.backend._end_coalescing(self.device)
+            self.work = self.backend._end_coalescing()
 
     def track(self, work):
         """What to wait on: the operation's own work, or the group launch's."""
@@ -240,7 +240,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
 
     def post(r: int) -> dict[int, tuple]:
         recvs = {}
-        with _Batch(group, device) as batch:
+        active = any(r < len(b) for b in (*incoming.values(), *outgoing.values()))
+        with _Batch(group, device, active) as batch:
             for s, buckets in incoming.items():
                 if r < len(buckets):
                     buf = _in_place(buckets[r], dst, dtype)
@@ -306,7 +307,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     for work, _ in pending_sends:
         work.wait()
     if verify:
-        _compare_checksums(rank, sent_sums, received_sums, elem, group, via_shm=set(shm_in))
+        _compare_checksums(rank, sent_sums, received_sums, elem, group, via_shm={*shm_in, *shm_out})
         stats.checked_transfers = sum(len(b) for v in received_sums.values() for b, _ in v)
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -347,15 +348,21 @@ def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
                        received: dict[int, list[tuple[list[Transfer], torch.Tensor]]], elem: int, group,
                        via_shm: Collection[int] = ()) -> None:
     """Each sender sends its buckets' block sums to the receiver, which compares them with its own and
-    raises naming the regions in the first differing block."""
+    raises naming the regions in the first differing block. Pairs through shared memory (`via_shm`, peers
+    in either direction) exchange theirs in host memory on the group's gloo side: on a device backend
+    they share a device, which nccl does not span."""
     if not sent and not received:
         return
     mine = {s: torch.cat([sums for _, sums in got]) for s, got in received.items()}  # on the data's device
+    mine.update({s: m.cpu() for s, m in mine.items() if s in via_shm})
     want = {s: torch.empty_like(m) for s, m in mine.items()}
     device = next(iter([*mine.values(), *(t for sums in sent.values() for t in sums)])).device
-    with _Batch(group, device) as batch:
-        works = [batch.track(isend(torch.cat(sums), d, group)) for d, sums in sent.items()]
-        works += [batch.track(irecv(w, s, group)) for s, w in want.items()]
+    control = control_of(group)
+    works = [isend(torch.cat(sums).cpu(), d, control) for d, sums in sent.items() if d in via_shm]
+    works += [irecv(w, s, control) for s, w in want.items() if s in via_shm]
+    with _Batch(group, device, any(p not in via_shm for p in (*sent, *want))) as batch:
+        works += [batch.track(isend(torch.cat(sums), d, group)) for d, sums in sent.items() if d not in via_shm]
+        works += [batch.track(irecv(w, s, group)) for s, w in want.items() if s not in via_shm]
     for w in works:
         w.wait()
     first, blocks = None, 0

@@ -1,6 +1,7 @@
 """Shared memory between plan ranks on one device: the transport `run_plan(..., same_device=...)` uses
 for co-located roles in different processes (a trainer rank and an engine host), in place of the
-process group. Only tiny control messages go through the group; the bytes go through a mapped segment.
+process group. Only tiny control messages go through the group (its gloo side, `control_of`, on devices); the
+bytes go through a mapped segment.
 
 Per (sender, receiver) pair the sender owns one segment of two slots, each at least the pair's
 largest bucket (rounded up to 4 KiB). Bucket r goes in slot r % 2: the sender packs it and sends
@@ -27,8 +28,8 @@ and the memory lives exactly as long as the two mappings (it goes with the proce
 
 CUDA / NPU: the slots are a device tensor shared by IPC handle (`torch.multiprocessing.reductions.
 reduce_tensor` and its rebuild function; torch_npu patches reduce_tensor for NPU tensors), with a
-device synchronize before each `ready` / `done`. UNTESTED: no GPU or NPU is available to this
-repository's tests. Kept this thin on purpose; it needs a run on real devices before anyone relies on it.
+device synchronize before each `ready` / `done`. Run on one CUDA GPU (two ranks on it, nccl for data, gloo
+for control: tests/dist/test_device_trainer.py, skipped without a GPU); NPU not run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Collection, Mapping
 
 import torch
 
-from weight_sync.group import irecv, isend
+from weight_sync.group import control_of, irecv, isend
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "rlhf-ws-"
@@ -184,7 +185,7 @@ class ShmTransport:
 
     def __init__(self, rank: int, group, outgoing: Mapping[int, tuple[int, torch.device]],
                  incoming: Mapping[int, int]):
-        self.rank, self.group = rank, group
+        self.rank, self.group = rank, control_of(group)  # host int64 messages: the gloo side
         self.outgoing, self.incoming = dict(outgoing), dict(incoming)
         self._works: list = []  # (work, tensor) of messages sent, waited at the end
         self._hello: dict[int, tuple] = {}

@@ -88,9 +88,10 @@ class RunInputs:
             raise ConfigError(problem)
         sync = sync_layout(cfg, dm)  # the function `rlhf plan` uses: the same ranks, plan and bytes
         plan = sync.plan()  # validated before any actor starts
-        # Co-located trainer and engine ranks exchange through shared memory (cpu; the CUDA / NPU IPC path of
-        # weight_sync.shm is not yet tested on devices, so there the group carries everything).
-        same_device = sync.same_device_pairs() if dm.device_type is DeviceType.cpu else frozenset()
+        # Co-located trainer and engine ranks exchange through shared memory: /dev/shm on cpu, device memory
+        # shared by IPC handle on cuda (nccl refuses two ranks on one GPU; run on an H100:
+        # tests/dist/test_device_weight_sync.py). npu: not yet run on a device, so there the group carries all.
+        same_device = sync.same_device_pairs() if dm.device_type is not DeviceType.npu else frozenset()
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # set by `ray job submit` for the job's driver

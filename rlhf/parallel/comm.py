@@ -216,11 +216,12 @@ def all_to_all(x, send_counts: list[int], recv_counts: list[int], group):
     return _AllToAll.apply(x, list(send_counts), list(recv_counts), group)
 
 
-def exchange_counts(send_counts: list[int], group) -> list[int]:
-    """How many rows each member will send us, given how many we send each."""
+def exchange_counts(send_counts: list[int], group, device: torch.device | str = "cpu") -> list[int]:
+    """How many rows each member will send us, given how many we send each. `device`: where the group's
+    backend takes tensors (nccl and hccl take only device tensors)."""
     if group is None:
         return list(send_counts)
-    send = torch.tensor(send_counts, dtype=torch.long)
+    send = torch.tensor(send_counts, dtype=torch.long, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.tolist()

@@ -88,7 +88,7 @@ class Dispatcher:
 
     def _exchange(self, rows, aux, send: list[int]):
         """all-to-all of rows (differentiable) and their integer metadata; returns (rows, aux, recv counts)."""
-        recv = exchange_counts(send, self.group)
+        recv = exchange_counts(send, self.group, rows.device)
         return self._send_rows(rows, send, recv), all_to_all(aux, send, recv, self.group), recv
 
     def _return(self, rows, send_back: list[int], recv_back: list[int]):
@@ -136,24 +136,25 @@ class HierarchicalDispatcher(Dispatcher):
             return FlatDispatcher.run(self, x_SH, shard_Sk, local_Sk, expert_fn)
         S, k = shard_Sk.shape
         n_members, n_nodes = len(self.members), len(self.gateway)
-        node_Sk = self.member_node[shard_Sk]
+        dev = shard_Sk.device
+        node_Sk = self.member_node.to(dev)[shard_Sk]
         # hop 1: one copy per (token, destination node), ordered by gateway then token
-        onehot_SN = torch.zeros(S, n_nodes, dtype=torch.bool)
-        onehot_SN[torch.arange(S)[:, None].expand(S, k), node_Sk] = True
+        onehot_SN = torch.zeros(S, n_nodes, dtype=torch.bool, device=dev)
+        onehot_SN[torch.arange(S, device=dev)[:, None].expand(S, k), node_Sk] = True
         tok_P, node_P = onehot_SN.nonzero(as_tuple=True)
-        gw_P = self.gateway[node_P]
+        gw_P = self.gateway.to(dev)[node_P]
         order1 = torch.argsort(gw_P, stable=True)
         tok_P, node_P, gw_P = tok_P[order1], node_P[order1], gw_P[order1]
         on_node_Pk = node_Sk[tok_P] == node_P[:, None]
         dest_Pk = torch.where(on_node_Pk, shard_Sk[tok_P], -1)
         exp_Pk = torch.where(on_node_Pk, local_Sk[tok_P], -1)
         send1 = torch.bincount(gw_P, minlength=n_members).tolist()
-        recv1 = exchange_counts(send1, self.group)
+        recv1 = exchange_counts(send1, self.group, dev)
         meta_Q = all_to_all(torch.cat([dest_Pk, exp_Pk, tok_P[:, None]], 1), send1, recv1, self.group)
         dest_Qk, exp_Qk, tok_Q = meta_Q[:, :k], meta_Q[:, k:2 * k], meta_Q[:, 2 * k]
         # hop 2 (inside the node): one row per valid slot, to the member holding the expert
         q_V, j_V = (dest_Qk >= 0).nonzero(as_tuple=True)
-        src_of_Q = torch.repeat_interleave(torch.arange(n_members), torch.tensor(recv1))
+        src_of_Q = torch.repeat_interleave(torch.arange(n_members, device=dev), torch.tensor(recv1, device=dev))
         back_send = torch.bincount(src_of_Q[q_V], minlength=n_members).tolist()
         back_recv = torch.bincount(gw_P, weights=on_node_Pk.sum(1).double(), minlength=n_members).long().tolist()
         p_R, j_R = on_node_Pk.nonzero(as_tuple=True)

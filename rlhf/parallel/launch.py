@@ -37,10 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, results, args, collective_timeout_s, threads, call=None):
+def _entry(fn, rank, world_size, port, results, args, collective_timeout_s, threads, call=None,
+           device_type="cpu", backend="auto"):
     torch.set_num_threads(threads)
     try:
-        init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=collective_timeout_s)
+        init_process_group(rank, world_size, "127.0.0.1", port, device_type, backend, collective_timeout_s)
         out = fn(rank, *args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: shared-memory tensors would die with this process
@@ -79,15 +80,18 @@ def _collect(results, procs: list, timeout_s: float, call=None) -> list[Any]:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0,
-              collective_timeout_s: float = 60.0, threads: int = 1) -> list[Any]:
+              collective_timeout_s: float = 60.0, threads: int = 1, device_type: str = "cpu",
+              backend: str = "auto") -> list[Any]:
     """[fn(0, *args), ..., fn(world_size - 1, *args)], each in its own process (a pooled one while
-    `using(pool)` is active and the pool is large enough)."""
-    if _pool is not None and world_size <= _pool.size:
+    `using(pool)` is active and the pool is large enough). `device_type` picks the group's backend (gloo on
+    cpu, nccl on cuda, hccl on npu) unless `backend` names one."""
+    if _pool is not None and world_size <= _pool.size and device_type == "cpu" and backend == "auto":
         return _pool.run(fn, world_size, args, timeout_s, collective_timeout_s, threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, collective_timeout_s, threads),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, collective_timeout_s, threads,
+                                              None, device_type, backend),
                          daemon=False) for r in range(world_size)]  # a rank may start processes (vLLM)
     for p in procs:
         p.start()

@@ -68,7 +68,7 @@ class ExpertParallelMoE(nn.Module):
         tp = self.groups.size("tp")
         x_SH = x_BTH.reshape(-1, H)
         S = x_SH.shape[0]
-        valid_S = torch.ones(S, dtype=torch.bool) if valid_BT is None else valid_BT.reshape(-1)
+        valid_S = torch.ones(S, dtype=torch.bool, device=x_BTH.device) if valid_BT is None else valid_BT.reshape(-1)
         pad = (-S) % tp
         if pad:  # every TP rank takes an equal slice of the (replicated) tokens
             x_SH = torch.cat([x_SH, x_SH.new_zeros(pad, H)])

@@ -39,7 +39,8 @@ class PipelineRunner:
 
     def _recv(self, mb, src: int) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape
-        buf = torch.empty(B, T, self.hidden, dtype=next(self.model.parameters()).dtype)
+        param = next(self.model.parameters())
+        buf = torch.empty(B, T, self.hidden, dtype=param.dtype, device=param.device)
         dist.recv(buf, src=src)
         return buf
 

@@ -58,8 +58,11 @@ class ParallelTrainer:
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, layout: Layout, rank: int,
                  model_dir: str | Path, expert_map: Sequence[int] | None = None,
                  stage_split: Sequence[int] | None = None, ranks_per_node: int | None = None,
-                 hierarchical_ep: bool = False):
+                 hierarchical_ep: bool = False, device: str | torch.device = "cpu"):
+        """`device`: where the rank computes ("cpu", "cuda", "npu": under Ray the actor's own accelerator is
+        device 0 of those it sees); shards are loaded on the host, then moved there once."""
         self.cfg, self.tcfg, self.layout, self.rank = model_cfg, trainer_cfg, layout, rank
+        self.device = torch.device(device)
         self.groups: LayoutGroups = build_groups(layout, rank, trainer_cfg.collective_timeout_s,
                                                  model_cfg.num_key_value_heads)
         self.expert_map = tuple(expert_map) if expert_map is not None else default_expert_map(
@@ -86,6 +89,8 @@ class ParallelTrainer:
         if trainer_cfg.zero_stage == 3:
             self._shard_parameters(stage_split)
         self._apply_recompute(trainer_cfg.recompute)
+        if self.device.type != "cpu":  # parameters keep their objects (the row shards' references stay valid)
+            self.model.to(self.device)
         named = dict(self.model.named_parameters())
         self.params = {n: self.zero3_params[n] if n in self.row_shards else named[n] for n in self.sharding.local_shapes}
         # what the optimizer steps: all but the frozen (router correction bias, MTP modules), which stay as loaded
@@ -127,7 +132,7 @@ class ParallelTrainer:
         if first:
             self._old_routes.clear()
         out = []
-        for mb in micro_batches:
+        for mb in map(self._on_device, micro_batches):
             forced = None
             if mode is RoutingReplay.rollout:
                 if mb.routes_BTLk is None:
@@ -142,10 +147,19 @@ class ParallelTrainer:
                        else replace(mb, routing=Routing(forced, engine, record)))
         return out
 
+    def _on_device(self, mb: MicroBatch) -> MicroBatch:
+        """The micro-batch's tensors (ids, mask, routes, the loss's extras) on this rank's device."""
+        if self.device.type == "cpu":
+            return mb
+        dev = self.device
+        moved = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.extras.items()}
+        return replace(mb, input_ids_BT=mb.input_ids_BT.to(dev), attention_mask_BT=mb.attention_mask_BT.to(dev),
+                       extras=moved, routes_BTLk=None if mb.routes_BTLk is None else mb.routes_BTLk.to(dev))
+
     def _recorded_routes(self, mb: MicroBatch) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape
         k = self.cfg.num_experts_per_tok
-        out = torch.full((B, T, self.moe_layers, k), -1, dtype=ROUTE_DTYPE)
+        out = torch.full((B, T, self.moe_layers, k), -1, dtype=ROUTE_DTYPE, device=self.device)
         for i, row in enumerate(mb.extras["rows"].tolist()):
             r = self._old_routes[row]
             out[i, :r.shape[0]] = r
@@ -171,7 +185,7 @@ class ParallelTrainer:
             if self.layout.pp > 1:
                 flat = all_reduce(flat, self.groups.pp)
             parts = flat.split([c.numel() for c in counts])
-            self.route_differs = [(mb.extras["rows"], p.view_as(c).to(ROUTE_DTYPE))
+            self.route_differs = [(mb.extras["rows"].cpu(), p.view_as(c).to(ROUTE_DTYPE).cpu())
                                   for mb, p, c in zip(routed, parts, counts)]
 
     def _score(self, temperature: float):
@@ -232,7 +246,7 @@ class ParallelTrainer:
             self.optimizer.step()
         with self._bounded("expert loads and loss all-reduce"):
             self._balance_router_bias()
-            loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+            loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             # the global loss: sum over DP ranks of last-stage partial sums (other stages contribute 0)
             loss_sum = all_reduce(loss_sum.clone(), self.groups.dp)
         return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "lr": self.optimizer.opt.param_groups[0]["lr"]}
@@ -284,7 +298,7 @@ class ParallelTrainer:
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (each replica counted once); clip like
         torch.nn.utils.clip_grad_norm_."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.trained.items():
             copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
             sq += p.grad.double().pow(2).sum() / copies
@@ -326,10 +340,12 @@ class ParallelTrainer:
         return sum(h.numel() * h.element_size() for _, h in stash) + sum(
             g.numel() * g.element_size() for g in grads.values())
 
-    def onload(self, device: str | torch.device = "cpu") -> int:
-        """Restore what `offload` moved, bit-exactly. Returns the bytes restored."""
+    def onload(self, device: str | torch.device | None = None) -> int:
+        """Restore what `offload` moved, bit-exactly, onto `device` (this rank's own by default). Returns the
+        bytes restored."""
         if self._offloaded is None:
             return 0
+        device = self.device if device is None else device
         stash, grads = self._offloaded
         nbytes = 0
         for t, host in stash:
@@ -427,8 +443,8 @@ class ParallelTrainer:
         moved toward balance (`router_bias_update`): the same update on every copy of it."""
         blocks = self._moe_blocks()
         rows = [b.step_tokens_per_expert if b.step_tokens_per_expert is not None
-                else torch.zeros(self.cfg.num_experts, dtype=torch.long) for b in blocks]
-        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
+                else torch.zeros(self.cfg.num_experts, dtype=torch.long, device=self.device) for b in blocks]
+        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long, device=self.device)
         self.step_loads = all_reduce(stats, self.groups.stage)
         rate = self.tcfg.router_bias_update_rate
         if rate > 0:
@@ -449,7 +465,7 @@ class ParallelTrainer:
         if self.step_loads is not None:
             return self.step_loads
         rows = [b.last_tokens_per_expert for b in self._moe_blocks()]
-        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long)
+        stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long, device=self.device)
         return all_reduce(stats, self.groups.stage)
 
 
