@@ -130,7 +130,7 @@ def create_segment(nbytes: int, device: torch.device) -> tuple[Segment, int, byt
         finally:
             os.close(fd)
         return Segment(seg_id, torch.frombuffer(mapped, dtype=torch.uint8), path), _KIND_FILE, name.encode()
-    if device.type in ("cuda", "npu"):  # UNTESTED (see the module docstring)
+    if device.type in ("cuda", "npu"):  # run on CUDA, not on NPU (see the module docstring)
         from torch.multiprocessing.reductions import reduce_tensor
 
         data = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -153,7 +153,7 @@ def open_segment(seg_id: int, nbytes: int, kind: int, payload: bytes) -> Segment
             os.close(fd)
         _unlink(path)  # both sides map it now: the name can go
         return Segment(seg_id, torch.frombuffer(mapped, dtype=torch.uint8))
-    if kind == _KIND_IPC:  # UNTESTED (see the module docstring); the payload comes from a rank of this job
+    if kind == _KIND_IPC:  # run on CUDA, not on NPU; the payload comes from a rank of this job
         rebuild, args = pickle.loads(payload)
         return Segment(seg_id, rebuild(*args))
     raise ValueError(f"weight sync: unknown shared-memory kind {kind}")
@@ -173,7 +173,7 @@ def release_segments() -> None:
 
 
 def _sync_device(data: torch.Tensor) -> None:
-    if data.device.type != "cpu":  # UNTESTED: the copies into / out of IPC memory must land before the message
+    if data.device.type != "cpu":  # the copies into / out of IPC memory must land before the message
         getattr(torch, data.device.type).synchronize(data.device)
 
 
