@@ -1,13 +1,15 @@
 """Training-step throughput per layout against one process, and EP dispatch bytes across nodes.
 
     .venv/bin/python benchmarks/train_bench.py [--model configs/model/qwen3_moe_small.yaml] [--layers 2]
-        [--batch 8] [--seq 128] [--steps 3] [--layouts single,tp2,dp2,...]
+        [--batch 8] [--seq 128] [--steps 3] [--layouts single,tp2,dp2,...] [--device cuda]
 
 Every layout runs in the same invocation, one after another, on the same random batch (tokens/s
 counts real, unpadded tokens of forward + backward + optimizer step, after one warm-up step; the
 largest rank's resident parameters + AdamW state are reported too, where zero_stage=3 shows). Each
 rank gets 1 thread, so on this 2-core machine layouts of 4 ranks share 2 cores: the numbers show the
-machinery's overhead here, not the speed-up of real devices. Prints one JSON line per layout.
+machinery's overhead here, not the speed-up of real devices. `--device cuda` (or npu) runs the ranks there,
+on the device's backend (several ranks need as many devices; `--backend gloo` lets them share one). Prints
+one JSON line per layout.
 """
 
 from __future__ import annotations
@@ -57,18 +59,22 @@ def loss_fn(logp, ent, mb):
     return -(logp * mask).sum() / mb.extras["n"]
 
 
-def worker(rank, cfg, layout, model_dir, kw, B, T, steps, micro):
+def worker(rank, cfg, layout, model_dir, kw, B, T, steps, micro, device="cpu"):
     kw = dict(kw)
-    tr = ParallelTrainer(cfg, TrainerConfig(lr=1e-4, zero_stage=kw.pop("zero_stage", 1)), layout, rank, model_dir, **kw)
+    tr = ParallelTrainer(cfg, TrainerConfig(lr=1e-4, zero_stage=kw.pop("zero_stage", 1)), layout, rank, model_dir,
+                         device=device, **kw)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids, attn = batch(cfg, B, T)
     rows = list(range(layout.coords(rank).dp, B, layout.dp))
     n = float(attn[:, 1:].sum())
     mbs = [MicroBatch(ids[rows[i:i + micro]], attn[rows[i:i + micro]], {"n": n}) for i in range(0, len(rows), micro)]
     tr.train_step(mbs, loss_fn)  # warm-up
+    sync()
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         tr.train_step(mbs, loss_fn)
+    sync()
     torch.distributed.barrier()
     return {"seconds": (time.perf_counter() - t0) / steps, "dispatch": dataclasses.asdict(tr.dispatcher.stats),
             "state_bytes": sum(p.numel() * p.element_size() for p in tr.params.values()) + tr.optimizer.state_bytes()}
@@ -83,6 +89,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    ap.add_argument("--backend", default="auto", help="the ranks' collective backend (auto: by device)")
     args = ap.parse_args()
     cfg = dataclasses.replace(load_model_config(args.model, [f"num_hidden_layers={args.layers}"]))
     ids, attn = batch(cfg, args.batch, args.seq)
@@ -96,11 +104,11 @@ def main():
         for name in args.layouts.split(","):
             layout, kw = LAYOUTS[name]
             res = run_ranks(worker, layout.world_size, cfg, layout, d, kw, args.batch, args.seq, args.steps,
-                            args.micro, timeout_s=1800)
+                            args.micro, args.device, timeout_s=1800, device_type=args.device, backend=args.backend)
             sec = max(r["seconds"] for r in res)
             tps = tokens / sec
             base = base or tps
-            out = {"layout": name, "ranks": layout.world_size, "tokens_per_s": round(tps, 1),
+            out = {"layout": name, "device": args.device, "ranks": layout.world_size, "tokens_per_s": round(tps, 1),
                    "vs_single": round(tps / base, 3), "step_s": round(sec, 3),
                    "params_and_adamw_MB_per_rank": round(max(r["state_bytes"] for r in res) / 2**20, 1)}
             if layout.expert_shards > 1:
