@@ -63,7 +63,7 @@ def worker(rank, cfg, layout, model_dir, kw, B, T, steps, micro, device="cpu"):
     kw = dict(kw)
     tr = ParallelTrainer(cfg, TrainerConfig(lr=1e-4, zero_stage=kw.pop("zero_stage", 1)), layout, rank, model_dir,
                          device=device, **kw)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = getattr(torch, device).synchronize if device != "cpu" else (lambda: None)  # time the device's work
     ids, attn = batch(cfg, B, T)
     rows = list(range(layout.coords(rank).dp, B, layout.dp))
     n = float(attn[:, 1:].sum())
@@ -92,6 +92,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     ap.add_argument("--backend", default="auto", help="the ranks' collective backend (auto: by device)")
     args = ap.parse_args()
+    if args.device != "cpu" and not (getattr(torch, args.device, None) and getattr(torch, args.device).is_available()):
+        ap.error(f"--device {args.device}: no such device in this process (torch.{args.device}.is_available() is false)")
     cfg = dataclasses.replace(load_model_config(args.model, [f"num_hidden_layers={args.layers}"]))
     ids, attn = batch(cfg, args.batch, args.seq)
     tokens = int(attn.sum())

@@ -29,7 +29,7 @@ and the memory lives exactly as long as the two mappings (it goes with the proce
 CUDA / NPU: the slots are a device tensor shared by IPC handle (`torch.multiprocessing.reductions.
 reduce_tensor` and its rebuild function; torch_npu patches reduce_tensor for NPU tensors), with a
 device synchronize before each `ready` / `done`. Run on one CUDA GPU (two ranks on it, nccl for data, gloo
-for control: tests/dist/test_device_trainer.py, skipped without a GPU); NPU not run.
+for control: tests/dist/test_device_weight_sync.py, skipped without a GPU); NPU not run.
 """
 
 from __future__ import annotations

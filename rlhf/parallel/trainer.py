@@ -63,6 +63,10 @@ class ParallelTrainer:
         device 0 of those it sees); shards are loaded on the host, then moved there once."""
         self.cfg, self.tcfg, self.layout, self.rank = model_cfg, trainer_cfg, layout, rank
         self.device = torch.device(device)
+        backend = getattr(torch, self.device.type, None)  # torch.cuda; torch.npu once torch_npu is imported
+        if self.device.type != "cpu" and not (backend is not None and backend.is_available()):
+            raise RuntimeError(f"trainer rank {rank}: no {self.device.type} device in this process; set "
+                               f"placement.device_type to the devices the ranks run on (cpu, cuda, npu)")
         self.groups: LayoutGroups = build_groups(layout, rank, trainer_cfg.collective_timeout_s,
                                                  model_cfg.num_key_value_heads)
         self.expert_map = tuple(expert_map) if expert_map is not None else default_expert_map(
@@ -152,7 +156,7 @@ class ParallelTrainer:
         if self.device.type == "cpu":
             return mb
         dev = self.device
-        moved = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.extras.items()}
+        moved = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extras.items()}
         return replace(mb, input_ids_BT=mb.input_ids_BT.to(dev), attention_mask_BT=mb.attention_mask_BT.to(dev),
                        extras=moved, routes_BTLk=None if mb.routes_BTLk is None else mb.routes_BTLk.to(dev))
 

@@ -36,7 +36,7 @@ def accelerator() -> str | None:
 
 
 DEVICE = accelerator()
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="no CUDA or Ascend device here")
+needs_device = pytest.mark.skipif(DEVICE is None, reason="no CUDA or Ascend device here")
 # Device kernels sum in other orders than the host's (fp32 throughout, TF32 off by torch's default)
 TOL = 1e-5
 
@@ -103,6 +103,7 @@ CASES = {  # name: (model, layout, trainer options, host backend on the device)
 }
 
 
+@needs_device
 @pytest.mark.parametrize("name", CASES)
 def test_device_equals_host(name, model_dirs):
     model, layout, tcfg_kw, gloo = CASES[name]
@@ -160,6 +161,7 @@ def _worker_step(rank, model_dir, device, routes):
     return out
 
 
+@needs_device
 @pytest.mark.parametrize("routes", [False, True], ids=["plain", "replay_rollout_routes"])
 def test_trainer_actor_calls_on_device_equal_host(routes, model_dirs):
     host, = run_ranks(_worker_step, 1, model_dirs["qwen3"], "cpu", routes, timeout_s=240)
@@ -209,6 +211,7 @@ def _migration(rank, layout, model_dir, device, ckpt_dir):
     return out
 
 
+@needs_device
 def test_expert_migration_on_device_is_a_permutation(tmp_path, model_dirs):
     """EDPB on the device: migrating experts (weights and AdamW moments) between two EP ranks leaves logprobs,
     grad norms and parameters within 1e-6 of the unmigrated trainer's (the issue's bound; kernels may sum rows
@@ -226,3 +229,9 @@ def test_expert_migration_on_device_is_a_permutation(tmp_path, model_dirs):
         assert r["moved_bytes"] > 0 and r["devices"] == [DEVICE]
         assert r["logp"] <= 1e-6 and r["norm"] <= 1e-6, r
         assert r["resumed_maps"] and r["resumed_equal"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is present")
+def test_a_cuda_trainer_without_a_gpu_says_what_to_change(tmp_path):
+    with pytest.raises(RuntimeError, match="no cuda device in this process; set placement.device_type"):
+        ParallelTrainer(CFG, TCFG, Layout(), 0, tmp_path, device="cuda")
