@@ -205,8 +205,9 @@ class TrainerWorker(PolicyWorker):
         t0 = time.time()
         self.trainer.onload(self._device())
         _, src = self.trainer.export_shards()
-        stats = run_plan(sync.plan(), self.rank, src, None, src[next(iter(src))].dtype, group=self.sync_group,
-                         same_device=same_device)
+        # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines)
+        stats = run_plan(sync.plan(), self.rank, src, None, getattr(torch, sync.dst_spec().dtype),
+                         group=self.sync_group, same_device=same_device)
         return SendReply(stats.bytes_sent, stats.bytes_shm_sent, stats.bytes_local, t0, time.time() - t0)
 
     def hf_shards(self) -> tuple[list, dict]:

@@ -2,9 +2,10 @@
 
     python -m benchmarks.update_profile                # one rank, 32 samples x (8 + 128) tokens, small model
     python -m benchmarks.update_profile --ranks 2      # dp2 x ep2 over two gloo processes, 64 samples
+    python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --no-profile   # mixed precision
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
-steps (GRPO loss, one optimizer step each) and a third under `torch.profiler`; prints rank 0's ops by
+steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
 self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches.
 The weights are random (our code), written once to `out/bench/<model name>-update`.
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int) -> dict:
+def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
+           compute_dtype: str | None = None, profile: bool = True) -> dict:
     import torch
 
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
@@ -28,7 +30,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     from rlhf.config import load_model_config
     from rlhf.layout import Layout
     from rlhf.parallel.trainer import ParallelTrainer
-    from rlhf.schema import AlgorithmConfig, TrainerConfig
+    from rlhf.schema import AlgorithmConfig, DType, TrainerConfig
 
     torch.set_num_threads(1)
     cfg = load_model_config(model_yaml)
@@ -39,7 +41,9 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     batch = TokenBatch.from_samples(prompts, responses, [[-1.0] * new_tokens] * B)
     batch = batch.with_(advantages_B=torch.randn(B, generator=g))
     layout = Layout(dp=ranks, ep=ranks)
-    trainer = ParallelTrainer(cfg, TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=4096), layout, rank, model_dir)
+    tcfg = TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=4096,
+                         compute_dtype=DType(compute_dtype) if compute_dtype else None)
+    trainer = ParallelTrainer(cfg, tcfg, layout, rank, model_dir)
     algo = AlgorithmConfig()
     normaliser = loss_normaliser(algo, batch.mask_BT)
     mbs = batch.micro_batches(list(range(B)), ranks, layout.coords(rank).dp, 4096)
@@ -52,10 +56,12 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         t0 = time.perf_counter()
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    return {"step_seconds": seconds, "micro_batches": len(mbs),
-            "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)}
+    table = ""
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1, choices=(1, 2, 4), help="dp = ep = ranks gloo processes")
     parser.add_argument("--samples-per-rank", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="trainer.compute_dtype (default: the model's dtype)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
     args = parser.parse_args(argv)
 
     from rlhf.config import load_model_config
@@ -78,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         model.init_weights(0, std=0.02)
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
-                        args.new_tokens, timeout_s=1800)
+                        args.new_tokens, args.compute_dtype, not args.no_profile, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
-                      "new_tokens": args.new_tokens, "micro_batches": results[0]["micro_batches"],
+                      "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
+                      "micro_batches": results[0]["micro_batches"],
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)}}))
     return 0
 

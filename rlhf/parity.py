@@ -33,6 +33,17 @@ def parity_problem(parity: Parity, p99_limit: float) -> str | None:
     return None
 
 
+def run_parity_limit(cfg) -> float:
+    """A run's limit (`RunConfig`): rollout.parity_p99_max if set, else by the narrower of the engines' dtype and
+    the trainer's compute dtype (bf16 rounding on either side: 0.5; both fp32: 1e-3)."""
+    from rlhf.schema import DType
+
+    trainer = cfg.trainer.compute_dtype or cfg.model.dtype
+    if cfg.rollout.parity_p99_max > 0 or trainer is DType.float32:
+        return cfg.rollout.parity_limit
+    return max(cfg.rollout.parity_limit, 0.5)
+
+
 def logprob_parity(trainer_logp_BT: torch.Tensor, engine_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> Parity:
     """Max, mean and 99th percentile of |trainer - engine| over the tokens where mask is set."""
     if trainer_logp_BT.shape != engine_logp_BT.shape or mask_BT.shape != trainer_logp_BT.shape:

@@ -200,7 +200,8 @@ class RolloutConfig:
     # over the sampled tokens exceeds this is reported (a stale or mis-installed weight moves most tokens and
     # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`). 0: by the
     # engine's dtype (`parity_limit`): 1e-3 for fp32 engines (healthy runs show ~1e-5), 0.5 for bf16 / fp16
-    # ones, whose rounding alone puts it at 0.08-0.44 on the tiny job (docs/routing_replay.md).
+    # ones, whose rounding alone puts it at 0.08-0.44 on the tiny job (docs/routing_replay.md); 0.5 too when
+    # the trainer computes in bf16 (trainer.compute_dtype; rlhf.parity.run_parity_limit).
     parity_p99_max: float = 0.0
     # Record, for every token the engine ran and every MoE layer, the top-k experts it chose
     # (docs/routing_replay.md): the trainer then reports how often its own choice differs (route/* metrics)
@@ -305,6 +306,9 @@ class TrainerConfig:
     # down if the expert got more than the mean tokens, up if fewer (DeepSeek-V3's auxiliary-loss-free
     # balancing; it used 0.001). 0: the bias stays as loaded.
     router_bias_update_rate: float = 0.0
+    # Mixed precision: the matmuls of forward and backward in this dtype (torch.autocast); parameters, gradients,
+    # AdamW state stay in model.dtype; norms, softmaxes, routers' choice and loss in fp32 (docs/trainer.md).
+    compute_dtype: Optional[DType] = None
     expert_balance: ExpertBalanceConfig = field(default_factory=ExpertBalanceConfig)
 
 

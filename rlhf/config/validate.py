@@ -11,7 +11,7 @@ from pathlib import Path
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
-from rlhf.schema import (AlgorithmConfig, Attention, Estimator, LossAggregation, ModelConfig, RewardConfig,
+from rlhf.schema import (AlgorithmConfig, Attention, DType, Estimator, LossAggregation, ModelConfig, RewardConfig,
                          RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills,
                          trainer_kills)
 
@@ -166,6 +166,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("trainer.router_bias_update_rate", t.router_bias_update_rate, "moves a sigmoid router's "
                          f"correction bias; model {cfg.model.name} has a {cfg.model.router_scoring.value} router "
                          "with none: set it to 0"))
+    p += compute_dtype_problems(cfg)
     if t.hierarchical_ep and layout is not None and layout.expert_shards < 2:
         p.append(Problem("trainer.hierarchical_ep", t.hierarchical_ep, "splits the expert all-to-all into an "
                          f"inter-node and an intra-node hop; trainer ep={t.ep} has none: set trainer.ep > 1 or "
@@ -212,6 +213,21 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
     p += stale_sync_problems(cfg)
     p += routing_replay_problems(cfg)
     return p
+
+
+def compute_dtype_problems(cfg: RunConfig) -> list[Problem]:
+    """trainer.compute_dtype narrows the matmuls by autocast; it cannot widen them, and fp16 would need loss
+    scaling, which the trainer does not do."""
+    dtype, model = cfg.trainer.compute_dtype, cfg.model.dtype
+    if dtype is DType.float16:
+        return [Problem("trainer.compute_dtype", "float16", "fp16 matmuls need loss scaling against gradient "
+                        "underflow, which the trainer does not do: use bfloat16 (same speed where the device has "
+                        "bf16 units), or unset it")]
+    if dtype is DType.float32 and model is not DType.float32:
+        return [Problem("trainer.compute_dtype", "float32", f"autocast only narrows: parameters in "
+                        f"model.dtype={model.value} cannot compute in float32; unset trainer.compute_dtype, or store "
+                        "the model in float32 (model.dtype=float32) and set trainer.compute_dtype=bfloat16")]
+    return []
 
 
 def routing_replay_problems(cfg: RunConfig) -> list[Problem]:

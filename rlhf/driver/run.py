@@ -33,7 +33,7 @@ from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
 from rlhf.routing import RouteFetch
-from rlhf.parity import Parity, parity_problem
+from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
 from rlhf.schema import DeviceType, RunConfig, engine_kills, trainer_kills
@@ -328,7 +328,7 @@ class Run(Recovery, ExpertBalancing):
                extra: dict | None = None) -> None:
         cfg = self.cfg
         self.step = step
-        problem = parity_problem(parity, cfg.rollout.parity_limit)
+        problem = parity_problem(parity, run_parity_limit(cfg))
         if problem:
             self.parity_violations += 1
             self.log(f"step {step}: {problem}")

@@ -189,14 +189,16 @@ def _is_mtp(name: str, num_hidden_layers: int) -> bool:
 
 def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: int = 0,
                       expert_map: Sequence[int] | None = None, include_mtp: bool = True,
-                      physical_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None) -> ShardSpec:
+                      physical_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
+                      dtype: str | None = None) -> ShardSpec:
     """The shard spec of all `layout.engines` engines, in HF names; engine k's rank i is
     rank_offset + k * W + i. `expert_map[e]` = the engine rank holding expert e when ep > 1 (default
     contiguous; equal counts per rank); the same map for every engine. With redundant experts give
     `physical_experts` instead: the logical expert in each of the E + R physical slots (vLLM EPLB's
     physical-to-logical map), one list for every MoE layer or a dict layer -> list (EPLB balances each
     layer apart); default: experts 0..E-1, then 0..R-1 again. `include_mtp`: the engines hold
-    the MTP modules (speculative decoding); without it the spec lists neither their tensors nor pieces."""
+    the MTP modules (speculative decoding); without it the spec lists neither their tensors nor pieces.
+    `dtype`: the engines' (rollout.dtype; default the model's), what a sync writes into them and sends."""
     problems = fit_problems(cfg, "rollout", layout.tp, layout.ep, engine=True,
                             redundant_experts=layout.redundant_experts)
     if problems:
@@ -211,7 +213,7 @@ def engine_shard_spec(cfg: ModelConfig, layout: InferenceLayout, rank_offset: in
     per_local = [_engine_rank(cfg, shapes, layout, i, physical, mtp) for i in range(W)]
     ranks = tuple(RankShards(rank_offset + k * W + i, *per_local[i])
                   for k in range(layout.engines) for i in range(W))
-    return ShardSpec(f"engines {layout}", tuple(shapes.items()), ranks, cfg.dtype.value)
+    return ShardSpec(f"engines {layout}", tuple(shapes.items()), ranks, dtype or cfg.dtype.value)
 
 
 def physical_experts(cfg: ModelConfig, lay: InferenceLayout,

@@ -17,37 +17,41 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.model.layers import autocast_dtype
+
 CHUNK_TOKENS = 1024
 
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int, compute: torch.dtype):
         N = hidden_NH.shape[0]
+        w_VH = weight_VH.to(compute)  # the matmuls' operands in `compute`; logits, softmax and sums in fp32
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         for a in range(0, N, chunk):
-            z_CV, lse_C = _logits(hidden_NH[a:a + chunk], weight_VH, temperature)
+            z_CV, lse_C = _logits(hidden_NH[a:a + chunk].to(compute), w_VH, temperature)
             lse_N[a:a + chunk] = lse_C
             logp_N[a:a + chunk] = z_CV.gather(1, targets_N[a:a + chunk, None]).squeeze(1) - lse_C
             p_CV = torch.exp(z_CV - lse_C[:, None])
             ent_N[a:a + chunk] = lse_C - p_CV.mul_(z_CV).sum(-1)
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent_N, lse_N)
+        ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
+        ctx.weight_dtype = weight_VH.dtype
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
-        hidden_NH, weight_VH, targets_N, ent_N, lse_N = ctx.saved_tensors
+        hidden_NH, w_VH, targets_N, ent_N, lse_N = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) \
+        grad_w = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) \
             if ctx.needs_input_grad[1] else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
         for a in range(0, hidden_NH.shape[0], chunk):
-            h_CH = hidden_NH[a:a + chunk]
+            h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
             # log p = z - lse, in place over the recomputed logits (the forward's lse: no second logsumexp)
-            logp_CV = (h_CH @ weight_VH.T).float()
+            logp_CV = (h_CH @ w_VH.T).float()
             if T != 1.0:
                 logp_CV /= T
             logp_CV -= lse_N[a:a + chunk, None]
@@ -62,12 +66,12 @@ class _HeadLogprobs(torch.autograd.Function):
             dz_CV.scatter_add_(1, targets_N[a:a + chunk, None], g_lp)
             if T != 1.0:
                 dz_CV /= T
-            dz = dz_CV.to(weight_VH.dtype)
+            dz = dz_CV.to(w_VH.dtype)
             if grad_h is not None:
-                grad_h[a:a + chunk] = dz @ weight_VH
+                grad_h[a:a + chunk] = dz @ w_VH
             if grad_w is not None:
                 grad_w += (dz.T @ h_CH).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight_VH.dtype), None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
 
 
 def _logits(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +84,13 @@ def _logits(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> 
 def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,
                   temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy) [B, T] in fp32: log softmax(h W^T / temperature)[target] and the entropy of that
-    distribution, for every position of `hidden_BTH` (with `targets_BT` its next tokens)."""
+    distribution, for every position of `hidden_BTH` (with `targets_BT` its next tokens). Under autocast
+    (`trainer.compute_dtype`) the two matmuls of forward and backward take its dtype, the weight cast once
+    per call; the rest, and the weight's gradient summed over the chunks, stays in fp32."""
     B, T, H = hidden_BTH.shape
-    logp_N, ent_N = _HeadLogprobs.apply(hidden_BTH.reshape(B * T, H), weight_VH, targets_BT.reshape(-1),
-                                        float(temperature), int(chunk))
+    device_type = hidden_BTH.device.type
+    compute = autocast_dtype(device_type) or weight_VH.dtype
+    with torch.autocast(device_type, enabled=False):
+        logp_N, ent_N = _HeadLogprobs.apply(hidden_BTH.reshape(B * T, H), weight_VH, targets_BT.reshape(-1),
+                                            float(temperature), int(chunk), compute)
     return logp_N.view(B, T), ent_N.view(B, T)

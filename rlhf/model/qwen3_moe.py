@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.layers import RMSNorm
+from rlhf.model.layers import RMSNorm, autocast_dtype, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -95,7 +95,7 @@ class Router(nn.Module):
 
     def scores(self, x_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probabilities [S, E], what the top-k ranks: the same probabilities)."""
-        probs_SE = torch.softmax(F.linear(x_SH, self.weight), dim=-1, dtype=torch.float)
+        probs_SE = torch.softmax(full_precision_linear(x_SH, self.weight), dim=-1, dtype=torch.float)
         return probs_SE, probs_SE
 
     def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
@@ -142,7 +142,7 @@ class GroupLimitedRouter(nn.Module):
 
     def scores(self, x_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmoid scores [S, E], what the top-k ranks [S, E]: scores plus bias, -inf outside the best groups)."""
-        scores_SE = torch.sigmoid(F.linear(x_SH.float(), self.weight.float()))
+        scores_SE = torch.sigmoid(full_precision_linear(x_SH.float(), self.weight.float()))
         choice_SE = scores_SE + self.e_score_correction_bias.float()
         if self.n_group > 1:
             S, E = choice_SE.shape
@@ -185,7 +185,11 @@ class Experts(nn.Module):
         # slicing them once per expert would make each expert's backward write a zero gradient the size of
         # the whole stack (or of all rows) and add it up, E times per layer.
         rows = x_RH[order].split(counts)
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        dtype = autocast_dtype(x_RH.device.type)
+        if dtype is not None:  # one cast of each stack per forward, not one per expert and call
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        gate_up, down = gate_up.unbind(0), down.unbind(0)
         ys = []
         for e, n in enumerate(counts):
             if n:

@@ -10,6 +10,7 @@ at most pp - s micro-batches of activations are alive on stage s.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -19,8 +20,9 @@ from rlhf.parallel.comm import LayoutGroups
 
 
 class PipelineRunner:
-    def __init__(self, model, groups: LayoutGroups, stages: Sequence[range]):
-        self.model, self.groups, self.stages = model, groups, stages
+    def __init__(self, model, groups: LayoutGroups, stages: Sequence[range], compute: Callable = contextlib.nullcontext):
+        """`compute`: a context for each stage's forward (the trainer's autocast)."""
+        self.model, self.groups, self.stages, self.compute = model, groups, stages, compute
         layout = groups.layout
         self.stage = layout.coords(groups.rank).pp
         self.first, self.last = self.stage == 0, self.stage == layout.pp - 1
@@ -32,10 +34,11 @@ class PipelineRunner:
     def _stage_forward(self, mb, x_in):
         m = self.model
         ctx = m.prepare(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
-        x = m.model.embed_tokens(mb.input_ids_BT) if self.first else x_in
-        for i in self.stages[self.stage]:
-            x = m.model.layers[i](x, *ctx)
-        return m.model.norm(x) if self.last else x  # the last stage's hidden states: `score` applies the head
+        with self.compute():
+            x = m.model.embed_tokens(mb.input_ids_BT) if self.first else x_in
+            for i in self.stages[self.stage]:
+                x = m.model.layers[i](x, *ctx)
+            return m.model.norm(x) if self.last else x  # the last stage's hidden states: `score` applies the head
 
     def _recv(self, mb, src: int) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape

@@ -11,6 +11,7 @@ Legend: B batch, T tokens, V vocab.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -101,7 +102,7 @@ class ParallelTrainer:
         self.trained = {n: p for n, p in self.params.items() if not is_frozen(n, model_cfg)}
         self.optimizer = ShardedAdamW(self._optimizer_buckets(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
-        self.pipeline = PipelineRunner(self.model, self.groups, self.stages) if layout.pp > 1 else None
+        self.pipeline = PipelineRunner(self.model, self.groups, self.stages, self._compute) if layout.pp > 1 else None
         self._offloaded: dict | None = None
         self._old_routes: dict[int, torch.Tensor] = {}  # R2: batch row -> this stage's routes [T, L, k]
         # per micro-batch of the last measured forward: (batch rows, MoE layers that chose another expert set
@@ -124,8 +125,14 @@ class ParallelTrainer:
     def is_last_stage(self) -> bool:
         return self.stage == self.layout.pp - 1
 
+    def _compute(self):
+        """Autocast to trainer.compute_dtype if it differs from the model's (backward follows the forward's dtypes)."""
+        dt = self.tcfg.compute_dtype or self.cfg.dtype
+        return nullcontext() if dt is self.cfg.dtype else torch.autocast(self.device.type, getattr(torch, dt.value))
+
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
-        return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
+        with self._compute():
+            return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
 
     # --- routing replay (rlhf.routing) ---
     def _routed(self, micro_batches: Sequence[MicroBatch], first: bool) -> list[MicroBatch]:
@@ -193,9 +200,11 @@ class ParallelTrainer:
                                   for mb, p, c in zip(routed, parts, counts)]
 
     def _score(self, temperature: float):
-        """(final hidden states [B, T, H], input ids) -> (logp, entropy) [B, T-1] of each next token, through
-        the fused LM head (no [tokens, vocab] logits)."""
-        return lambda hidden_BTH, ids_BT: self.model.lm_head(hidden_BTH[:, :-1], ids_BT[:, 1:], temperature)
+        """(final hidden [B, T, H], ids) -> (logp, entropy) [B, T-1] of each next token: the fused LM head."""
+        def score(hidden_BTH, ids_BT):
+            with self._compute():
+                return self.model.lm_head(hidden_BTH[:, :-1], ids_BT[:, 1:], temperature)
+        return score
 
     @torch.no_grad()
     def logprobs(self, micro_batches: Sequence[MicroBatch], temperature: float = 1.0

@@ -58,6 +58,9 @@ class SyncLayout:
     # of each physical slot, rank by rank (None: the contiguous default); every worker takes its layers' maps
     # from here when it installs a sync (engines follow, docs/expert_balance.md)
     engine_experts: tuple[tuple[int, ...], ...] | None = None
+    # the engines' dtype (rollout.dtype), what travels: bf16 engines of an fp32 trainer receive half the bytes,
+    # the trainer casting as it packs (None: the model's dtype)
+    engine_dtype: str | None = None
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
@@ -123,11 +126,12 @@ def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     none are sent; the trainer carries them unchanged into checkpoints and exports."""
     return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage, expert_maps=sync.expert_maps),
             engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False,
-                              physical_experts=sync.engine_physical() or None))
+                              physical_experts=sync.engine_physical() or None, dtype=sync.engine_dtype))
 
 
 def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = None) -> SyncLayout:
     """The run's weight sync: the trainer's ranks and every engine rank, on the nodes of their devices.
     `rlhf plan` and `rlhf train` both build it here."""
     return SyncLayout(cfg.model, trainer_layout(cfg.trainer), inference_layout(cfg.rollout),
-                      transfer_topology(cfg, dm, link_bytes_per_s), cfg.trainer.zero_stage, transfer_devices(dm))
+                      transfer_topology(cfg, dm, link_bytes_per_s), cfg.trainer.zero_stage, transfer_devices(dm),
+                      engine_dtype=cfg.rollout.dtype.value)

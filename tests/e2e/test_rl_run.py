@@ -4,6 +4,7 @@ checkpoint. Asserts what a user relies on: reward rises, every sync is checksum-
 engine logprobs agree, W&B offline files and the trace exist, and a resumed run continues the step count."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -188,16 +189,22 @@ def test_dead_engines_and_trainer_ranks_are_replaced_and_the_run_equals_an_unint
 
 
 def test_rollout_routing_replay_with_bf16_engines(tiny, ray_session, tmp_path):
-    """R3 in the loop: bf16 engines (as on GPUs and NPUs), fp32 trainer, the engines' routes replayed in every
-    trainer forward; the route metrics are logged every step."""
+    """R3 in the loop: bf16 engines (as on GPUs and NPUs), an fp32 trainer computing in bf16
+    (trainer.compute_dtype), the engines' routes replayed in every trainer forward; the route metrics are logged
+    every step. The sync sends the engines' dtype: each engine rank receives 2 bytes per parameter, the plan's
+    minimum, cast from the fp32 shards as they are packed."""
+    from rlhf.model.shapes import param_shapes
+
     d, _ = tiny
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, "steps=2", "eval_every=100", "checkpoint.export_hf=false", "rollout.dtype=bfloat16",
-        "trainer.routing_replay=rollout"))
+        "trainer.routing_replay=rollout", "trainer.compute_dtype=bfloat16"))
     result = train(cfg)
     assert result["steps_run"] == 2
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    elements = sum(math.prod(s) for s in param_shapes(cfg.model).values())
     for m in steps:
+        assert m["sync/bytes_per_engine_rank_max"] == m["sync/bytes_minimal_per_engine_rank_max"] == 2 * elements
         assert m["route/token_layers"] > 0 and 0 <= m["route/mismatch"] <= m["route/tokens_any_mismatch"] <= 1
         # each trainer rank gets the routes of its DP index's samples only (dp2 x ep2, one stage)
         assert 0 < m["route/bytes_per_rank_max"] < m["route/bytes_sent"]

@@ -40,3 +40,17 @@ def test_the_limit_follows_the_engine_dtype_unless_set():
     assert RolloutConfig().parity_limit == 1e-3  # fp32 engines: healthy p99 ~1e-5
     assert RolloutConfig(dtype=DType.bfloat16).parity_limit == 0.5  # bf16 rounding alone: 0.08-0.44 (tiny job)
     assert RolloutConfig(dtype=DType.bfloat16, parity_p99_max=0.05).parity_limit == 0.05
+
+
+def test_a_run_computing_in_bf16_on_either_side_gets_the_bf16_limit():
+    from pathlib import Path
+
+    from rlhf.config import load_run_config
+    from rlhf.parity import run_parity_limit
+
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu.yaml"
+    assert run_parity_limit(load_run_config(tiny)) == 1e-3
+    assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=bfloat16"])) == 0.5
+    assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=float32"])) == 1e-3
+    assert run_parity_limit(load_run_config(tiny, ["rollout.dtype=bfloat16"])) == 0.5
+    assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=bfloat16", "rollout.parity_p99_max=0.2"])) == 0.2

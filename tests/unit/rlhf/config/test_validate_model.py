@@ -64,3 +64,12 @@ def test_the_hierarchical_all_to_all_needs_expert_parallel_ranks():
     assert load_run_config(tiny, ["trainer.hierarchical_ep=true"]).trainer.hierarchical_ep
     with pytest.raises(ConfigError, match="trainer.hierarchical_ep = True: .* trainer ep=1 has none: set trainer.ep > 1"):
         load_run_config(tiny, ["trainer.hierarchical_ep=true", "trainer.ep=1"])
+
+
+def test_compute_dtype_narrows_only_and_never_to_fp16():
+    tiny = PANGU.parent / "tiny_cpu.yaml"
+    assert load_run_config(tiny, ["trainer.compute_dtype=bfloat16"]).trainer.compute_dtype.value == "bfloat16"
+    with pytest.raises(ConfigError, match="trainer.compute_dtype = 'float16': fp16 matmuls need loss scaling"):
+        load_run_config(tiny, ["trainer.compute_dtype=float16"])
+    with pytest.raises(ConfigError, match="autocast only narrows: parameters in model.dtype=bfloat16"):
+        load_run_config(tiny, ["trainer.compute_dtype=float32", "model.dtype=bfloat16"])

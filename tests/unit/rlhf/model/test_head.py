@@ -41,3 +41,35 @@ def test_one_output_alone_gets_its_own_gradient():
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     torch.log_softmax(h @ w.T, -1).gather(-1, ids[..., None]).sum().backward()
     assert torch.allclose(hidden.grad, h.grad, atol=1e-5) and torch.allclose(weight.grad, w.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [5, 1024])
+def test_under_autocast_the_matmuls_are_bf16_and_the_rest_fp32(chunk):
+    """trainer.compute_dtype=bfloat16: the head's matmuls (forward and backward) take bf16 operands, the
+    softmax, the sums and the weight's gradient stay fp32: the same as autograd through bf16 logits cast to
+    fp32, and visibly not the fp32 computation."""
+    g = torch.Generator().manual_seed(2)
+    B, T, H, V = 2, 11, 32, 300
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    g_logp, g_ent = torch.randn(B, T - 1, generator=g), torch.randn(B, T - 1, generator=g)
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_logp, ref_ent = token_logprobs((h1.bfloat16() @ w1.bfloat16().T).float(), ids)
+    ((ref_logp * g_logp).sum() + (ref_ent * g_ent).sum()).backward()
+
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, ent = head_logprobs(h2[:, :-1], w2, ids[:, 1:], chunk=chunk)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    assert logp.dtype == ent.dtype == h2.grad.dtype == w2.grad.dtype == torch.float32
+
+    assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    assert torch.allclose(h2.grad, h1.grad, atol=1e-6)
+    # the weight's gradient: one bf16 matmul per chunk, summed in fp32 (autograd's is one bf16 matmul over all
+    # tokens): equal with one chunk, within bf16 rounding of it with several
+    w_err = ((w2.grad - w1.grad).abs().max() / w1.grad.abs().max()).item()
+    assert w_err <= (1e-6 if chunk >= B * (T - 1) else 1e-2), w_err
+    fp32_logp, _ = token_logprobs(hidden @ weight.T, ids)
+    assert (logp - fp32_logp).abs().max() > 1e-3  # bf16 rounding shows: the matmuls did run in bf16

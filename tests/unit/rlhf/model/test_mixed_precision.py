@@ -1,0 +1,83 @@
+"""trainer.compute_dtype=bfloat16 (autocast over fp32 parameters): matmuls in bf16, the routers' expert choice
+and every gradient in fp32, logprobs within bf16 rounding of the fp32 model's. Both architectures."""
+
+import pytest
+import torch
+
+from rlhf.model.qwen3_moe import Experts, Qwen3MoeForCausalLM, Router
+from rlhf.routing import Routing
+from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig, RouterScoring
+
+QWEN = ModelConfig(vocab_size=48, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=48,
+                   first_k_dense_layers=1, rope_theta=10000.0)
+PANGU = ModelConfig(vocab_size=48, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                    head_dim=16, architecture=Architecture.pangu_moe, attention=Attention.mla,
+                    mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+                    router_scoring=RouterScoring.sigmoid, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                    shared_expert_intermediate_size=32, first_k_dense_layers=1, intermediate_size=48, rope_theta=10000.0)
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def test_the_router_chooses_in_fp32_under_autocast():
+    router = Router(QWEN)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(200, QWEN.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = router(x)
+    with torch.autocast(**BF16):
+        got = router(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # bf16 logits would flip near-tied choices
+
+
+def test_experts_cast_their_stacks_once_and_compute_in_bf16():
+    experts = Experts(QWEN)
+    g = torch.Generator().manual_seed(1)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.2, generator=g)
+    x = torch.randn(40, QWEN.hidden_size, generator=g)
+    chosen = torch.randint(0, QWEN.num_experts, (40,), generator=g)
+    with torch.autocast(**BF16):
+        y = experts.forward_rows(x, chosen)
+    ref = torch.stack([torch.nn.functional.linear(
+        torch.nn.functional.silu(gate) * up, experts.down_proj[e].bfloat16())
+        for e, (gate, up) in ((int(e), torch.nn.functional.linear(x[r:r + 1].bfloat16(), experts.gate_up_proj[int(e)]
+                                                                   .bfloat16()).chunk(2, -1))
+                              for r, e in enumerate(chosen))]).squeeze(1)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+    y.float().square().sum().backward()
+    assert experts.gate_up_proj.grad.dtype == experts.down_proj.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cfg", [QWEN, PANGU], ids=["qwen3_moe", "pangu_moe"])
+def test_logprobs_within_bf16_rounding_and_fp32_gradients(cfg):
+    """The same experts forced on both sides (the fp32 forward's choice, replayed), so that what differs is bf16
+    rounding alone: a near-tie that the rounding tips to another expert moves a token by far more (the
+    trainer/engine mismatch routing replay addresses, docs/routing_replay.md)."""
+    model = Qwen3MoeForCausalLM(cfg)
+    model.init_weights(seed=3, std=0.05)
+    B, T = 3, 17
+    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+
+    def logprobs(routing):
+        return model.lm_head(model.hidden_states(ids, routing=routing)[:, :-1], ids[:, 1:], 1.0)
+
+    record = Routing(record=True)
+    lp32, ent32 = logprobs(record)
+    (lp32.sum() + ent32.sum()).backward()
+    g32 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_layers
+    forced = record.chosen_BTLk(B, T, moe_layers, cfg.num_experts_per_tok)
+    with torch.autocast(**BF16):
+        lp16, ent16 = logprobs(Routing(forced_BTLk=forced))
+    (lp16.sum() + ent16.sum()).backward()
+    assert lp16.dtype == ent16.dtype == torch.float32
+    diff = (lp16 - lp32).abs()
+    assert 1e-4 < diff.max() < 2e-2, diff.max()  # bf16's 8-bit mantissa over the matmuls: there, and small
+    assert set(g32) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if n in g32:
+            assert p.grad.dtype == torch.float32, n
+            rel = ((p.grad - g32[n]).norm() / g32[n].norm()).item()
+            assert rel < 0.05, (n, rel)
