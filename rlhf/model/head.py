@@ -19,7 +19,10 @@ import torch
 
 from rlhf.model.layers import autocast_dtype
 
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = 1024  # tokens per matmul
+# tokens per elementwise pass over the vocabulary: [64, V] fp32 (8 MB at V = 32,000) stays in the last-level
+# cache, where a whole chunk's [1024, V] (128 MB) goes to memory and back for each of its five passes
+ROWS = 64
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -30,11 +33,16 @@ class _HeadLogprobs(torch.autograd.Function):
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         for a in range(0, N, chunk):
-            z_CV, lse_C = _logits(hidden_NH[a:a + chunk].to(compute), w_VH, temperature)
-            lse_N[a:a + chunk] = lse_C
-            logp_N[a:a + chunk] = z_CV.gather(1, targets_N[a:a + chunk, None]).squeeze(1) - lse_C
-            p_CV = torch.exp(z_CV - lse_C[:, None])
-            ent_N[a:a + chunk] = lse_C - p_CV.mul_(z_CV).sum(-1)
+            zc_CV = hidden_NH[a:a + chunk].to(compute) @ w_VH.T
+            for r in range(0, zc_CV.shape[0], ROWS):
+                i, z_RV = a + r, zc_CV[r:r + ROWS].float()
+                if temperature != 1.0:
+                    z_RV = z_RV / temperature
+                lse_R = torch.logsumexp(z_RV, dim=-1)
+                n = lse_R.shape[0]
+                lse_N[i:i + n] = lse_R
+                logp_N[i:i + n] = z_RV.gather(1, targets_N[i:i + n, None]).squeeze(1) - lse_R
+                ent_N[i:i + n] = lse_R - torch.exp(z_RV - lse_R[:, None]).mul_(z_RV).sum(-1)
         ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
         ctx.weight_dtype = weight_VH.dtype
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -50,35 +58,32 @@ class _HeadLogprobs(torch.autograd.Function):
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
         for a in range(0, hidden_NH.shape[0], chunk):
             h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
-            # log p = z - lse, in place over the recomputed logits (the forward's lse: no second logsumexp)
-            logp_CV = (h_CH @ w_VH.T).float()
-            if T != 1.0:
-                logp_CV /= T
-            logp_CV -= lse_N[a:a + chunk, None]
-            p_CV = torch.exp(logp_CV)
-            g_lp = g_logp_N[a:a + chunk, None]
-            # dL/dz = g_logp (onehot - p) - g_H p (log p + H); without an entropy gradient only the first term
-            if g_ent_N is None:
-                dz_CV = p_CV.mul_(-g_lp)
-            else:
-                g_h = g_ent_N[a:a + chunk, None].float()
-                dz_CV = logp_CV.add_(ent_N[a:a + chunk, None]).mul_(g_h).add_(g_lp).mul_(p_CV).neg_()
-            dz_CV.scatter_add_(1, targets_N[a:a + chunk, None], g_lp)
-            if T != 1.0:
-                dz_CV /= T
-            dz = dz_CV.to(w_VH.dtype)
+            zc_CV = h_CH @ w_VH.T  # recomputed logits; each row block is overwritten by its dL/dz
+            for r in range(0, zc_CV.shape[0], ROWS):
+                i, rows = a + r, slice(r, r + ROWS)
+                # log p = z - lse (the forward's lse: no second logsumexp); a view of zc_CV when it is fp32
+                logp_RV = zc_CV[rows].float()
+                if T != 1.0:
+                    logp_RV /= T
+                n = logp_RV.shape[0]
+                logp_RV -= lse_N[i:i + n, None]
+                p_RV = torch.exp(logp_RV)
+                g_lp = g_logp_N[i:i + n, None]
+                # dL/dz = g_logp (onehot - p) - g_H p (log p + H); without an entropy gradient only the first term
+                if g_ent_N is None:
+                    dz_RV = p_RV.mul_(-g_lp)
+                else:
+                    g_h = g_ent_N[i:i + n, None].float()
+                    dz_RV = logp_RV.add_(ent_N[i:i + n, None]).mul_(g_h).add_(g_lp).mul_(p_RV).neg_()
+                dz_RV.scatter_add_(1, targets_N[i:i + n, None], g_lp)
+                if T != 1.0:
+                    dz_RV /= T
+                zc_CV[rows] = dz_RV
             if grad_h is not None:
-                grad_h[a:a + chunk] = dz @ w_VH
+                grad_h[a:a + chunk] = zc_CV @ w_VH
             if grad_w is not None:
-                grad_w += (dz.T @ h_CH).float()
+                grad_w += (zc_CV.T @ h_CH).float()
         return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
-
-
-def _logits(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    z_CV = (h_CH @ weight_VH.T).float()
-    if temperature != 1.0:
-        z_CV /= temperature
-    return z_CV, torch.logsumexp(z_CV, dim=-1)
 
 
 def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,

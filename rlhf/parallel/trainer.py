@@ -314,7 +314,7 @@ class ParallelTrainer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.trained.items():
             copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
-            sq += p.grad.double().pow(2).sum() / copies
+            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square() / copies  # fp64 without a copy
         torch.distributed.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0:
