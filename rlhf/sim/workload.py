@@ -161,7 +161,7 @@ class Workload:
     reward_workers: int
     train_bytes: int  # parameter dtype of the trainer
     rollout_bytes: int
-    train_dtype: str
+    train_dtype: str  # what the trainer's matmuls compute in (trainer.compute_dtype, else the parameters')
     rollout_dtype: str
     max_num_seqs: int  # per engine (0: vLLM's default, 256 per tp rank)
     kv_cache_gib: float  # cpu engines: the KV cache each engine rank reserves
@@ -204,6 +204,7 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     reference=a.kl_coef > 0, on_policy=a.on_policy(t.epochs, mini_batches),
                     reward_model=cfg.reward.kind is RewardKind.model, reward_workers=cfg.reward.workers,
                     train_bytes=DTYPE_BYTES[cfg.model.dtype.value], rollout_bytes=DTYPE_BYTES[r.dtype.value],
-                    train_dtype=cfg.model.dtype.value, rollout_dtype=r.dtype.value, max_num_seqs=r.max_num_seqs,
+                    train_dtype=(cfg.trainer.compute_dtype or cfg.model.dtype).value, rollout_dtype=r.dtype.value,
+                    max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
                     expert_load_skew=expert_load_skew)
