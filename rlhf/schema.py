@@ -201,7 +201,7 @@ class RolloutConfig:
     # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`). 0: by the
     # engine's dtype (`parity_limit`): 1e-3 for fp32 engines (healthy runs show ~1e-5), 0.5 for bf16 / fp16
     # ones, whose rounding alone puts it at 0.08-0.44 on the tiny job (docs/routing_replay.md); 0.5 too when
-    # the trainer computes in bf16 (trainer.compute_dtype; rlhf.parity.run_parity_limit).
+    # the trainer computes in bf16 (trainer.compute_dtype), 1.0 when both do (rlhf.parity.run_parity_limit).
     parity_p99_max: float = 0.0
     # Record, for every token the engine ran and every MoE layer, the top-k experts it chose
     # (docs/routing_replay.md): the trainer then reports how often its own choice differs (route/* metrics)

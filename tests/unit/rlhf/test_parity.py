@@ -53,4 +53,5 @@ def test_a_run_computing_in_bf16_on_either_side_gets_the_bf16_limit():
     assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=bfloat16"])) == 0.5
     assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=float32"])) == 1e-3
     assert run_parity_limit(load_run_config(tiny, ["rollout.dtype=bfloat16"])) == 0.5
+    assert run_parity_limit(load_run_config(tiny, ["rollout.dtype=bfloat16", "trainer.compute_dtype=bfloat16"])) == 1.0
     assert run_parity_limit(load_run_config(tiny, ["trainer.compute_dtype=bfloat16", "rollout.parity_p99_max=0.2"])) == 0.2
