@@ -158,20 +158,24 @@ def test_greedy_generation_interrupted_by_an_install_of_the_same_weights_is_unch
         plain = engine.call("generate", prompts, **kw, timeout_s=300)
         assert all(c.token_versions == (0,) * 100 for c in plain)
         landed = False
-        for version in (1, 2, 3):  # the install must land while the generation runs: up to three tries
+        # the install must land while the generation runs: tries with waits around a generation's length on
+        # either side (too short: it lands before the first decode step; too long: after the last)
+        seen = []
+        for version, wait_s in enumerate((0.4, 0.15, 0.8, 0.05, 1.5), start=1):
             ref = engine.submit("generate", prompts, **kw)
-            time.sleep(0.4)
+            time.sleep(wait_s)
             engine.call("update_weights", weights, version, timeout_s=300)
             got = engine.wait("generate", ref, 300)
             assert [c.token_ids for c in got] == [c.token_ids for c in plain]
             assert all(abs(a - b) < 1e-5 for c, p in zip(got, plain) for a, b in zip(c.logp, p.logp))
             versions = {v for c in got for v in c.token_versions}
+            seen.append((wait_s, sorted(versions)))
             if len(versions) == 2:  # some tokens before the install, the rest after it
                 landed = True
                 assert all(c.weight_version == min(c.token_versions) for c in got)
                 assert all(list(c.token_versions) == sorted(c.token_versions) for c in got)
                 break
-        assert landed, "no install landed mid-generation in three tries"
+        assert landed, f"no install landed mid-generation (wait, versions seen): {seen}"
     finally:
         engine.call("close", timeout_s=120)
         engine.kill()
