@@ -216,15 +216,16 @@ def test_hierarchical_ep_equals_flat_exactly_and_crosses_nodes_less(model_dir, r
     assert sum(r["dispatch"].backward_inter_node for r in hier) == sum(r["dispatch"].backward_inter_node for r in flat)
 
 
-@pytest.mark.parametrize("name", ["ep2", "pp2"])
+@pytest.mark.parametrize("name", ["ep2", "pp2", "ep2_noncontiguous_recompute"])
 def test_bf16_compute_layout_equals_single_process_under_autocast(name, model_dir):
     """trainer.compute_dtype=bfloat16: the parallel trainer equals one process whose forwards run under torch's
-    autocast, parameters, gradients and AdamW state in fp32. Logprobs within TOL (DP, EP and PP keep each
-    token's forward bit for bit); gradients and parameters within TOL + RTOL_BF16 of each tensor's largest
-    value: a weight's gradient is one bf16 matmul per micro-batch, and DP ranks hold other micro-batches."""
+    autocast, parameters, gradients and AdamW state in fp32 (recomputation reruns forwards under the same
+    autocast). Logprobs within TOL (DP, EP and PP keep each token's forward bit for bit); gradients and
+    parameters within TOL + RTOL_BF16 of each tensor's largest value: a weight's gradient is one bf16 matmul
+    per micro-batch, and DP ranks hold other micro-batches."""
     layout, kw = LAYOUTS[name]
     ref = reference(model_dir, compute=torch.bfloat16)
-    kw = dict(kw) | {"tcfg": {"compute_dtype": DType.bfloat16}}
+    kw = dict(kw) | {"tcfg": kw.get("tcfg", {}) | {"compute_dtype": DType.bfloat16}}
     results = run_ranks(worker, layout.world_size, layout, str(model_dir), kw, timeout_s=240)
     check_against_reference(results, layout, ref, tol=TOL, rtol=RTOL_BF16)
     for res in results:
