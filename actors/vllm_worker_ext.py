@@ -6,13 +6,13 @@ expert weights into the buffers that hold *prepacked* ones and skips the CPU pre
 (`unquantized_fused_moe_method.py`, `_setup_kernel`); shapes agree, so nothing complains and MoE
 logprobs drift (1e-2 to 1 against a fresh engine). Dense layers and the router re-pack correctly.
 
-What this extension does: for every MoE layer it clears the quant method's `moe_kernel` before the
-model runner's `reload_weights`, so the layer takes the first-load path (replace parameters, build
-the kernel, prepack), then restores the old kernel object for any layer the update did not rebuild.
-Weights arrive in checkpoint format, because on CPU linear weights are prepacked after loading and cannot
-be written in kernel format. A sync's staging buffers are installed directly where the model's layers allow
-(`actors.vllm_install`), else as HF tensors with only this worker's boxes filled (its loaders narrow them).
-Every update is verified first (names, shapes, finite values, checksums); a failure touches no weight.
+What this extension does: for every MoE layer it clears the quant method's `moe_kernel` before the model
+runner's `reload_weights`, so the layer takes the first-load path (replace parameters, build the kernel,
+prepack), then restores the old kernel object for any layer the update did not rebuild. Weights arrive in
+checkpoint format (on CPU linear weights are prepacked after loading and cannot be written in kernel
+format). A sync's staging buffers are installed directly where the layers allow (`actors.vllm_install`), else
+as HF tensors with only this worker's boxes filled (its loaders narrow them). Every update is verified first
+(names, shapes, finite values, checksums); a failure touches no weight.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from weight_sync.p2p import ChecksumMismatch, all_finite, forget_regions, run_plan
+from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
 
@@ -356,38 +356,38 @@ class WeightUpdateExtension:
         self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
         return self._rlhf_staging, False
 
-    def rlhf_receive(self, payload: bytes, same_device: list, fault_rank: int = -1) -> dict:
+    def rlhf_receive(self, payload: bytes, same_device: list, fault_rank: int = -1, wait_s: float | None = None) -> dict:
         """Receive this worker's part of the plan, checksummed. {"ok": False, "error"} when a region
         arrived corrupted or holds non-finite values (`in_place`: whether the parameters were already
         written; on cpu they never are). The worker whose transfer rank is `fault_rank` (tests only) flips
-        one element it receives."""
+        one element it receives. `wait_s`: posted while the trainer still updates; the senders announce
+        their start (`weight_sync.p2p.await_senders`), and "go" is when they did."""
         import time
 
+        (sync, spec, mine), rank = self._rlhf_mine(payload), self._rlhf_group.rank
+        go = time.time() if wait_s is None else await_senders(sync.plan(), rank, self._rlhf_group, wait_s)
         t0 = time.perf_counter()
-        sync, spec, mine = self._rlhf_mine(payload)
         dst, in_place = self._rlhf_destination(spec, mine)
         dtype = getattr(torch, spec.dtype)
-        injector = _flip_first_element if fault_rank == self._rlhf_group.rank else None
+        injector = _flip_first_element if fault_rank == rank else None
         try:
-            stats = run_plan(sync.plan(), self._rlhf_group.rank, None, dst, dtype, group=self._rlhf_group,
-                             same_device={tuple(p) for p in same_device}, fault_injector=injector,
-                             check_finite=True)
+            stats = run_plan(sync.plan(), rank, None, dst, dtype, group=self._rlhf_group, check_finite=True,
+                             same_device={tuple(p) for p in same_device}, fault_injector=injector)
         except ChecksumMismatch as e:
             log.error("weight sync rejected on worker %d: %s", self.rank, e)
-            return {"ok": False, "error": str(e), "in_place": in_place, "rank": self._rlhf_group.rank}
+            return {"ok": False, "error": str(e), "in_place": in_place, "rank": rank}
         if stats.nonfinite is not None:
-            return {"ok": False, "error": f"{stats.nonfinite} holds non-finite values", "in_place": in_place,
-                    "rank": self._rlhf_group.rank}
-        return {"ok": True, "in_place": in_place, "rank": self._rlhf_group.rank,
+            return {"ok": False, "error": f"{stats.nonfinite} holds non-finite values", "in_place": in_place, "rank": rank}
+        return {"ok": True, "in_place": in_place, "rank": rank, "go": go,
                 "bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
                 "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
                 "seconds": time.perf_counter() - t0}
 
-    def rlhf_sync(self, payload: bytes, same_device: list, fault_rank: int = -1) -> dict:
+    def rlhf_sync(self, payload: bytes, same_device: list, fault_rank: int = -1, wait_s: float | None = None) -> dict:
         """`rlhf_receive`, then, if this worker's part arrived intact, `rlhf_install`, in one call: for an
         engine of one worker, where no other worker's verdict has to be awaited. The reply's
         "install_error" says the install failed part-way (the engine must not serve)."""
-        reply = self.rlhf_receive(payload, same_device, fault_rank)
+        reply = self.rlhf_receive(payload, same_device, fault_rank, wait_s)
         if reply["ok"]:
             try:
                 installed = self.rlhf_install()

@@ -10,10 +10,14 @@ from its source region and received into its destination region in place where e
 Transfers inside one rank are plain copies.
 
 Checksum: the sender computes `bucket_checksum` of every bucket as it leaves (one int64 sum per 4 KiB
-block of its bytes), the receiver the same of the bucket as it arrived, before copying it in; at the
-end each sender sends its sums to its receivers (8 bytes per 4 KiB), which compare and raise naming
-the tensors of the first differing block and both ranks. One vectorized pass over each bucket on
-each side (about 16 GB/s on one core here, out of cache), whatever the number of transfers in it.
+block of its bytes), the receiver the same of the bucket as it arrived, before copying it in; each
+sender sends its sums to its receivers (8 bytes per 4 KiB), which compare and raise naming the tensors
+of the first differing block and both ranks. Sums that travel in host memory (every pair on cpu, and
+shared-memory pairs on devices) leave as soon as the last bucket to that receiver is packed, on a tag
+of their own, into a receive posted at the start: a receiver compares once its own data is in, without
+waiting for its senders' other peers; on a device backend the others go in one batch at the end. One
+vectorized pass over each bucket on each side (about 16 GB/s on one core here, out of cache), whatever
+the number of transfers in it.
 
 Pairs the caller declares to share a device (`same_device`: co-located roles in different processes)
 move their buckets through shared memory instead (`weight_sync.shm`: /dev/shm on CPU, IPC handles on
@@ -55,6 +59,8 @@ class SyncStats:
 
 
 _BLOCK_BYTES = 4096  # checksum block
+TAG_SUMS = 3  # block sums sent as soon as a peer's last bucket is packed (shared memory's control messages use 1, 2)
+TAG_GO = 4  # a sender's announcement that it starts (`announce`: for a receive posted before the sender's update ended)
 
 
 def bucket_checksum(flat: torch.Tensor) -> torch.Tensor:
@@ -81,6 +87,11 @@ def all_finite(t: torch.Tensor) -> bool:
     the sum (then the elementwise check decides): a NaN or an inf element makes any IEEE sum NaN or inf. One
     reduction instead of an elementwise pass into a bool tensor and a second reduction."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _n_sums(nbytes: int) -> int:
+    """How many entries `bucket_checksum` gives for a bucket of `nbytes`."""
+    return nbytes // _BLOCK_BYTES + (2 if nbytes % _BLOCK_BYTES else 0)
 
 
 def _block_bytes(i: int, nbytes: int) -> tuple[int, int]:
@@ -237,6 +248,13 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     pending_sends: list = []
     transport = _shm_transport(rank, group, src, shm_out, shm_in, elem)
     device = next(iter((dst or src or {}).values()), torch.empty(0)).device  # of the data this rank moves
+    # Peers whose block sums travel in host memory (shared-memory pairs; every peer on cpu) get them as soon as
+    # the last bucket to them is packed, not after this rank's whole exchange: a receiver compares once its own
+    # data is in. On a device backend the others' sums go in one batch at the end (`_compare_checksums`).
+    early = set(shm_in) | set(shm_out) | (set(incoming) | set(outgoing) if device.type == "cpu" else set())
+    early_sends: list = []
+    early_recvs = {s: _post_sums(buckets, s, elem, group) for s, buckets in (*incoming.items(), *shm_in.items())
+                   if verify and s in early}
 
     def post(r: int) -> dict[int, tuple]:
         recvs = {}
@@ -268,6 +286,10 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                     sent_sums[d].append(bucket_checksum(slot))
                 transport.ready(d, r)
                 stats.bytes_shm_sent += n * elem
+        for d, buckets in (*outgoing.items(), *shm_out.items()):
+            if verify and d in early and r == len(buckets) - 1:
+                sums = torch.cat(sent_sums[d]).cpu()
+                early_sends.append((isend(sums, d, control_of(group), TAG_SUMS), sums))
         return recvs
 
     received_sums: dict[int, list[tuple[list[Transfer], torch.Tensor]]] = {s: [] for s in (*incoming, *shm_in)}
@@ -304,10 +326,11 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
                     stats.bytes_shm += n * elem
             inflight = nxt
         transport.finish()
-    for work, _ in pending_sends:
+    for work, _ in pending_sends + early_sends:
         work.wait()
     if verify:
-        _compare_checksums(rank, sent_sums, received_sums, elem, group, via_shm={*shm_in, *shm_out})
+        _compare_checksums(rank, {d: v for d, v in sent_sums.items() if d not in early}, received_sums, elem, group,
+                           via_shm={*shm_in, *shm_out}, early=early_recvs)
         stats.checked_transfers = sum(len(b) for v in received_sums.values() for b, _ in v)
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -321,6 +344,34 @@ def _nonfinite_param(bucket: list[Transfer], flat: torch.Tensor) -> str:
             return t.param
         offset += t.numel
     return bucket[0].param
+
+
+def announce(plan: Plan, rank: int, group=None) -> list:
+    """Tell every rank this one sends to in `plan` that its part starts now, for receivers that posted
+    their receive before this rank had anything to send (`await_senders`); one int64 each, in host memory.
+    Returns the sends' works (done once the receivers took them)."""
+    one = torch.tensor([rank], dtype=torch.int64)
+    return [isend(one, d, control_of(group), TAG_GO) for (s, d), _ in plan.pairs if s == rank and d != rank]
+
+
+def await_senders(plan: Plan, rank: int, group=None, timeout_s: float = 3600.0) -> float:
+    """Wait, at most `timeout_s` in all, for the announcement of every rank that sends to this one in `plan`
+    (a receive posted while its senders still update: the group's own timeout would be the update's limit).
+    A sender that died closes its connection, which ends the wait at once with an error. Returns the time
+    (time.time) the last announcement came: where this rank's part of the sync really starts."""
+    import datetime
+
+    deadline = time.monotonic() + timeout_s
+    posted = [(s, torch.empty(1, dtype=torch.int64)) for (s, d), _ in plan.pairs if d == rank and s != rank]
+    works = [(s, irecv(buf, s, control_of(group), TAG_GO)) for s, buf in posted]
+    for s, work in works:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            raise RuntimeError(f"weight sync: rank {rank} waited {timeout_s:.0f} s for rank {s} to start sending: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    return time.time()
 
 
 class _NoTransport:
@@ -344,25 +395,33 @@ def _shm_transport(rank: int, group, src, shm_out: dict, shm_in: dict, elem: int
     return ShmTransport(rank, group, outgoing, {s: len(buckets) for s, buckets in shm_in.items()})
 
 
+def _post_sums(buckets: list[list[Transfer]], peer: int, elem: int, group) -> tuple:
+    """Post the receive of `peer`'s block sums of all its buckets to this rank, in host memory."""
+    want = torch.empty(sum(_n_sums(sum(t.numel for t in b) * elem) for b in buckets), dtype=torch.int64)
+    return irecv(want, peer, control_of(group), TAG_SUMS), want
+
+
 def _compare_checksums(rank: int, sent: dict[int, list[torch.Tensor]],
                        received: dict[int, list[tuple[list[Transfer], torch.Tensor]]], elem: int, group,
-                       via_shm: Collection[int] = ()) -> None:
-    """Each sender sends its buckets' block sums to the receiver, which compares them with its own and
-    raises naming the regions in the first differing block. Pairs through shared memory (`via_shm`, peers
-    in either direction) exchange theirs in host memory on the group's gloo side: on a device backend
-    they share a device, which nccl does not span."""
+                       via_shm: Collection[int] = (), early: Mapping[int, tuple] | None = None) -> None:
+    """The receiver compares each sender's block sums of its buckets with its own and raises naming the
+    regions in the first differing block. `early`: peer -> (work, host tensor) of sums whose receive was
+    posted at the start (`_post_sums`; their senders sent them as soon as they were computed); the others
+    are exchanged here, each sender sending `sent`, on the device group in one batch. A device backend's
+    peers through shared memory (`via_shm`) are always early: they share a device, which nccl does not span."""
+    early = early or {}
     if not sent and not received:
         return
     mine = {s: torch.cat([sums for _, sums in got]) for s, got in received.items()}  # on the data's device
-    mine.update({s: m.cpu() for s, m in mine.items() if s in via_shm})
-    want = {s: torch.empty_like(m) for s, m in mine.items()}
-    device = next(iter([*mine.values(), *(t for sums in sent.values() for t in sums)])).device
-    control = control_of(group)
-    works = [isend(torch.cat(sums).cpu(), d, control) for d, sums in sent.items() if d in via_shm]
-    works += [irecv(w, s, control) for s, w in want.items() if s in via_shm]
-    with _Batch(group, device, any(p not in via_shm for p in (*sent, *want))) as batch:
-        works += [batch.track(isend(torch.cat(sums), d, group)) for d, sums in sent.items() if d not in via_shm]
-        works += [batch.track(irecv(w, s, group)) for s, w in want.items() if s not in via_shm]
+    mine.update({s: m.cpu() for s, m in mine.items() if s in early})
+    want = {s: early[s][1] if s in early else torch.empty_like(m) for s, m in mine.items()}
+    works = [early[s][0] for s in want if s in early]
+    late = [*sent, *(s for s in want if s not in early)]
+    if late:
+        device = next(iter([*(mine[s] for s in want if s not in early), *(t for sums in sent.values() for t in sums)]))
+        with _Batch(group, device.device, True) as batch:
+            works += [batch.track(isend(torch.cat(sums), d, group)) for d, sums in sent.items()]
+            works += [batch.track(irecv(w, s, group)) for s, w in want.items() if s not in early]
     for w in works:
         w.wait()
     first, blocks = None, 0

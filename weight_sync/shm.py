@@ -8,11 +8,13 @@ largest bucket (rounded up to 4 KiB). Bucket r goes in slot r % 2: the sender pa
 `ready r`; the receiver copies the slot into its destination buffers and sends `done r`, which frees
 the slot for bucket r + 2. So the sender packs r + 1 while the receiver copies r out, as the
 point-to-point path keeps two rounds alive. The messages are int64 tensors on tag 1 (sender ->
-receiver) and tag 2 (receiver -> sender), never mixed with the data and checksums on tag 0:
+receiver) and tag 2 (receiver -> sender), never mixed with the data on tag 0 or the checksums on tag 3:
 
     receiver: hello [id of the segment it still maps from this sender, or 0]
     sender:   header [id, bytes, kind, payload bytes], then the payload (the name, or an IPC handle)
-              when the receiver does not map that segment yet
+              when the receiver does not map that segment yet; sent with `ready 0`, bucket 0 having been
+              packed meanwhile into the segment kept from the last sync (moved to a new one if the hello
+              says the receiver no longer maps it)
     sender:   ready [r]           receiver: done [r]          (per bucket)
 
 Segments outlive a sync: a fresh /dev/shm segment costs page faults worth several copies of it (about
@@ -47,7 +49,7 @@ from weight_sync.group import control_of, irecv, isend
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "rlhf-ws-"
 _ALIGN = 4096
-_TAG_FORWARD, _TAG_BACK = 1, 2  # sender -> receiver, receiver -> sender; tag 0 carries data and checksums
+_TAG_FORWARD, _TAG_BACK = 1, 2  # sender -> receiver, receiver -> sender; tag 0 carries data, tag 3 checksums
 _KIND_FILE, _KIND_IPC = 1, 2
 
 
@@ -193,6 +195,8 @@ class ShmTransport:
         self._ready: dict[int, tuple] = {}
         self._done: dict[int, list] = {p: [] for p in self.outgoing}
         self._send: dict[int, Segment] = {}
+        self._first_bytes: dict[int, int] = {}  # bucket 0's bytes per outgoing peer (moved if the peer lost our segment)
+        self._payload: dict[int, tuple[int, bytes]] = {}  # (kind, payload) of a segment created this sync, per peer
         self._recv: dict[int, Segment] = {}
         self._created: list[Segment] = []
 
@@ -216,35 +220,55 @@ class ShmTransport:
 
     # --- sender side ---
     def slot(self, peer: int, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bucket r's slot for `peer`, once free (for r >= 2: after the peer's `done r - 2`)."""
+        """Bucket r's slot for `peer`, once free (for r >= 2: after the peer's `done r - 2`). Bucket 0 is
+        packed into the segment kept from the last sync with this peer without waiting for its hello (a
+        receiver that starts later does not hold the packing up); `ready 0` reads the hello."""
         if r == 0:
-            self._start_sending(peer)
+            self._open_send(peer, nbytes)
         elif r >= 2:
             self._expect(self._done[peer].pop(0), r - 2, peer, "done")
         return self._send[peer].slot(r, nbytes, dtype)
 
     def ready(self, peer: int, r: int) -> None:
+        if r == 0:
+            self._confirm_send(peer)
         _sync_device(self._send[peer].data)
         self._message(torch.tensor([r], dtype=torch.int64), peer, _TAG_FORWARD)
         self._done[peer].append(self._post_recv(1, peer, _TAG_BACK))
 
-    def _start_sending(self, peer: int) -> None:
+    def _open_send(self, peer: int, first_bytes: int) -> None:
         largest, device = self.outgoing[peer]
-        need = segment_bytes(largest)
+        seg = _HELD.get(("send", self.rank, peer))
+        if seg is None or seg.nbytes < segment_bytes(largest) or seg.data.device != device:
+            seg = self._new_send_segment(peer)
+        self._send[peer], self._first_bytes[peer] = seg, first_bytes
+
+    def _confirm_send(self, peer: int) -> None:
+        """The peer's hello names the segment it still maps from us: the kept one is reused only if it is that
+        one; otherwise (a restarted peer) bucket 0 moves into a new segment, whose name the header carries."""
         held_by_peer = self._wait(self._hello.pop(peer))[0]
-        key = ("send", self.rank, peer)
-        seg = _HELD.get(key)
-        if seg is not None and seg.id == held_by_peer and seg.nbytes >= need and seg.data.device == device:
-            self._message(torch.tensor([seg.id, seg.nbytes, 0, 0], dtype=torch.int64), peer, _TAG_FORWARD)
-        else:
-            _HELD.pop(key, None)
-            seg, kind, payload = create_segment(need, device)
-            self._created.append(seg)
-            _HELD[key] = seg
+        seg = self._send[peer]
+        if seg.id != held_by_peer and seg not in self._created:
+            n = self._first_bytes[peer]
+            new = self._new_send_segment(peer)
+            new.data[:n].copy_(seg.data[:n])
+            self._send[peer] = seg = new
+        if seg in self._created:
+            kind, payload = self._payload[peer]
             self._message(torch.tensor([seg.id, seg.nbytes, kind, len(payload)], dtype=torch.int64), peer,
                           _TAG_FORWARD)
             self._message(torch.frombuffer(bytearray(payload), dtype=torch.uint8), peer, _TAG_FORWARD)
-        self._send[peer] = seg
+        else:
+            self._message(torch.tensor([seg.id, seg.nbytes, 0, 0], dtype=torch.int64), peer, _TAG_FORWARD)
+
+    def _new_send_segment(self, peer: int) -> Segment:
+        largest, device = self.outgoing[peer]
+        _HELD.pop(("send", self.rank, peer), None)
+        seg, kind, payload = create_segment(segment_bytes(largest), device)
+        self._created.append(seg)
+        _HELD[("send", self.rank, peer)] = seg
+        self._payload[peer] = (kind, payload)
+        return seg
 
     # --- receiver side ---
     def wait(self, peer: int, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -27,12 +27,13 @@ from rlhf.schema import RolloutConfig, RunConfig
 class Recovery:
     """Mixed into `rlhf.driver.run.Run`, whose fields it uses (roles, inputs, cfg, the fault counters)."""
 
-    def sync_weights(self, version: int) -> SyncReplies:
+    def sync_weights(self, version: int, posted=None) -> SyncReplies:
         """The weight sync of `version` to every engine; an engine that died before or during it, or hung in it
         (silent to liveness probes, or its receive unanswered by the call's deadline), is replaced
-        (`recover_engines`) and the sync done again, to all."""
+        (`recover_engines`) and the sync done again, to all. `posted`: its calls, sent with the update
+        (`post_sync`)."""
         try:
-            return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device)
+            return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device, posted)
         except RoleError as e:
             if self.roles.recover is None:
                 raise
@@ -156,6 +157,8 @@ class Recovery:
         self.log(f"step {failed_step}: {e}; restarting every trainer and reference rank from {ckpt}")
         with self.phase("trainer restart", failed_step):
             self.roles.restart_policy()
+            settle(self.posted_sync, 10.0)  # a sync posted with the failed update: its receives end with the old ranks
+            self.posted_sync = []
             self._resume(ckpt)  # the trainer offloaded: the engines' turn, as at the start of a step
             if self.engines_asleep:
                 self.roles.all(self.roles.engines, "wake_up")

@@ -140,6 +140,7 @@ class Run(Recovery, ExpertBalancing):
     at_step: int = 0  # the step in progress (or the one just evaluated): where faults are counted and injected
     trainer_offloaded: bool = False  # co-location: the trainer's state is in host memory (engines' turn)
     engines_asleep: bool = False  # co-location: the engines released their memory (trainer's turn)
+    posted_sync: list = field(default_factory=list)  # the references of a sync posted with an update that failed
     engine_restarts: list[int] = field(default_factory=list)  # the step of each engine replacement
     trainer_restarts: int = 0  # times every trainer and reference rank was restarted from a checkpoint
     steps_redone: int = 0  # steps done again after those restarts
@@ -319,6 +320,14 @@ class Run(Recovery, ExpertBalancing):
         self.roles.all(self.roles.trainer, "offload")
         self.trainer_offloaded = True
         self.log(f"resumed from {d} at step {self.step}")
+
+    def can_post_sync(self, step: int) -> bool:
+        """Whether this step's sync may go out with its update (`Roles.post_sync`): the engines can receive while
+        the trainer updates (awake, or asleep in name only: vLLM has no sleep mode on cpu), and no expert
+        migration comes between the two (it changes what is sent)."""
+        b = self.cfg.trainer.expert_balance
+        asleep = self.engines_asleep and self.cfg.placement.device_type is not DeviceType.cpu
+        return not asleep and not (b.enabled and step % b.every_steps == 0)
 
     # --- faults: rlhf/driver/faults.py (Recovery) ---
 

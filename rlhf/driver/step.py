@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.remote import RoleError
 from actors.replies import SyncReplies
 from actors.roles import batch_logprobs, batch_route_differs
 from rlhf.algorithms.objective import advantages, kl_reward_penalty, on_policy
@@ -60,16 +61,24 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)
     extras = dict(advantages_B=advantages(cfg.algorithm, rewards_PG), old_logp_BT=old_logp, ref_logp_BT=ref_logp)
     batch = batch.with_(**extras)
+    posted = None
     with run.phase("update", step):
-        updates = roles.all(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
+        sent = roles.submit(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
+        if switch and run.can_post_sync(step):  # the sync goes out behind the update: no round trip between them
+            posted = roles.post_sync(run.inputs.sync, step, run.inputs.same_device)
+        try:
+            updates = roles.wait(sent)
+        except RoleError:
+            run.posted_sync = posted[1] if posted else []  # settled where the trainer ranks are restarted
+            raise
     run.trace_ranks("update", roles.trainer, updates, step)
     run.observe_expert_loads(updates)  # before this step's checkpoint, which saves the load prediction
     run.balance_experts(step)  # EDPB: experts may move between the trainer's EP ranks before the sync
     if old_logp is None:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
         differs = batch_route_differs([u.logprobs for u in updates])
-    with run.phase("weight sync", step):
-        sync = run.sync_weights(step)
+    with run.phase("weight sync", step):  # what the loop waits for after the update (a posted sync: its rest)
+        sync = run.sync_weights(step, posted)
     run.trace_ranks("weight sync", roles.trainer + roles.engines, sync.sends + sync.receives, step)
     if switch:
         with run.phase("switch to rollout", step):

@@ -29,7 +29,8 @@ def full_tensors(cfg):
     return dict(to_hf_tensors(m.state_dict(), cfg))
 
 
-def worker(rank, src_layout, dst_layout, offset, world, pairs, bucket_bytes, syncs, flip=None, fail_open=None):
+def worker(rank, src_layout, dst_layout, offset, world, pairs, bucket_bytes, syncs, flip=None, fail_open=None,
+           release=None):
     cfg = load_model_config(TINY)
     full = full_tensors(cfg)
     src_spec = trainer_shard_spec(cfg, src_layout)
@@ -48,7 +49,9 @@ def worker(rank, src_layout, dst_layout, offset, world, pairs, bucket_bytes, syn
             buf.view(torch.int32)[buf.numel() // 2] ^= 1 << 4
 
     out = {"syncs": [], "held": []}
-    for _ in range(syncs):
+    for k in range(syncs):
+        if release == rank and k == 1:  # as a restarted receiver: it maps none of its senders' segments
+            shm.release_segments()
         dst = {n: torch.full(s, float("nan")) for n, s in mine.buffers} if mine else None
         try:
             stats = run_plan(plan, rank, src, dst, torch.float32, bucket_bytes=bucket_bytes, fault_injector=fault,
@@ -129,4 +132,63 @@ def test_nothing_left_in_dev_shm_when_the_receiver_cannot_map():
     with pytest.raises(RuntimeError, match=r"injected: cannot map the segment \(in /dev/shm: True\)"):
         run_ranks(worker, world, src_layout, dst_layout, offset, world, pairs, 1 << 20, 1, None, 3,
                   timeout_s=120, collective_timeout_s=5)
+    assert ours() <= before
+
+
+def test_a_receiver_that_lost_its_segment_gets_a_new_one_with_the_first_bucket_moved():
+    """The sender packs bucket 0 into the segment kept from the last sync before the receiver's hello says
+    whether it still maps it; a receiver that does not (restarted) gets a new segment holding that bucket."""
+    src_layout, dst_layout, offset, world, pairs = CASES["tp2 -> engine tp2, (0,2) and (1,3) on one device"]
+    before = ours()
+    results = run_ranks(worker, world, src_layout, dst_layout, offset, world, pairs, 4096, 3, None, None, 3,
+                        timeout_s=240)
+    assert ours() <= before
+    assert all(sync["exact"] for r in results for sync in r["syncs"]) and [len(r["syncs"]) for r in results] == [3] * 4
+    assert all(sync["stats"].bytes_shm > 0 for sync in results[3]["syncs"])  # still through shared memory
+    sent, got = [h[("send", 1, 3)] for h in results[1]["held"]], [h[("recv", 3, 1)] for h in results[3]["held"]]
+    assert sent[0] != sent[1] == sent[2] and got == sent  # replaced once, then reused; both sides agree
+    assert [h[("send", 0, 2)] for h in results[0]["held"]] == [results[0]["held"][0][("send", 0, 2)]] * 3
+
+
+def posted_worker(rank, src_layout, dst_layout, offset, world, pairs, delay_s, wait_s, announces=True):
+    """Receivers wait for their senders' announcement before `run_plan`, as engines posted during the trainer's
+    update do; senders start `delay_s` later (past the group's own timeout), announcing themselves."""
+    import time
+
+    from weight_sync.p2p import announce, await_senders
+
+    cfg = load_model_config(TINY)
+    full = full_tensors(cfg)
+    plan = plan_reshard(trainer_shard_spec(cfg, src_layout), engine_shard_spec(cfg, dst_layout, rank_offset=offset),
+                        Topology.single_node(world))
+    t0 = time.time()
+    if rank < src_layout.world_size:
+        time.sleep(delay_s)
+        if not announces:
+            return {}
+        go = announce(plan, rank)
+        run_plan(plan, rank, local_tensors(full, rank_sharding(cfg, src_layout, rank)), None, torch.float32,
+                 same_device=pairs)
+        for w in go:
+            w.wait()
+        return {}
+    mine = next(r for r in engine_shard_spec(cfg, dst_layout, rank_offset=offset).ranks if r.rank == rank)
+    dst = {n: torch.zeros(s) for n, s in mine.buffers}
+    waited = await_senders(plan, rank, timeout_s=wait_s) - t0
+    run_plan(plan, rank, None, dst, torch.float32, same_device=pairs)
+    exact = all(torch.equal(dst[p.buffer][p.buffer_slices()], full[p.param][p.box.slices()]) for p in mine.pieces)
+    return {"exact": exact, "waited": waited}
+
+
+def test_a_receive_posted_before_its_senders_waits_past_the_group_timeout_and_is_exact():
+    """Engines posted while the trainer still updates wait for it longer than the group's timeout (2 s here),
+    then receive exactly; a sender that never starts fails the wait after its own limit, naming the rank."""
+    src_layout, dst_layout, offset, world, pairs = CASES["tp2 -> engine tp2, (0,2) and (1,3) on one device"]
+    before = ours()
+    results = run_ranks(posted_worker, world, src_layout, dst_layout, offset, world, pairs, 3.0, 60.0,
+                        timeout_s=120, collective_timeout_s=2)
+    assert all(r["exact"] and r["waited"] >= 2.5 for r in results[2:])
+    with pytest.raises(RuntimeError, match=r"rank [23] waited 1 s for rank [01] to start sending"):
+        run_ranks(posted_worker, world, src_layout, dst_layout, offset, world, pairs, 4.0, 1.0, False,
+                  timeout_s=60, collective_timeout_s=30)
     assert ours() <= before
