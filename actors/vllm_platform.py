@@ -71,7 +71,6 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     if in_process is not None:  # otherwise vLLM's default (or the environment's VLLM_ENABLE_V1_MULTIPROCESSING)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if device_type is DeviceType.cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         if cfg.enforce_eager:
             no_compile()
         if cpu_cores:

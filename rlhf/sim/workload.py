@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from rlhf.model.shapes import param_shapes
+from rlhf.model.shapes import kv_per_token_layer, param_shapes
 from rlhf.model.sharding import Split, frozen_by_name, grad_reduced_over_stage, split_of
 from rlhf.schema import Attention, ModelConfig, RewardKind, RunConfig
 from weight_sync.plan import DTYPE_BYTES
@@ -112,11 +112,11 @@ def model_cost(m: ModelConfig) -> ModelCost:
     if m.attention is Attention.mla:
         a = m.mla
         attn_width = N * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
-        kv = a.kv_lora_rank + a.qk_rope_head_dim
+        kv = kv_per_token_layer(m)
         qkv = N * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.kv_lora_rank + N * (a.qk_nope_head_dim + a.v_head_dim)
     else:
         attn_width = 2 * N * m.head_dim
-        kv = 2 * m.num_key_value_heads * m.head_dim
+        kv = kv_per_token_layer(m)
         qkv = (N + 2 * m.num_key_value_heads) * m.head_dim
     moe_layers = m.num_hidden_layers - m.first_k_dense_layers
     shared = m.num_shared_experts * m.shared_expert_intermediate_size

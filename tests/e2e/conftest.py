@@ -35,7 +35,6 @@ def ray_session():
     """Devices for every placement the tests use (4 stand-in cpu devices); a new instance whatever
     /tmp/ray/ray_current_cluster names (see actors.roles.connect)."""
     import ray
-    ray.init(address="local", num_cpus=4, resources={"rlhf_device": 4}, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    ray.init(address="local", num_cpus=4, resources={"rlhf_device": 4}, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
