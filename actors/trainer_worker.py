@@ -202,15 +202,17 @@ class TrainerWorker(PolicyWorker):
     def send_weights(self, sync, same_device=frozenset(), posted: bool = False) -> SendReply:
         """Send this rank's part of the sync plan (`rlhf.placement.transfer.SyncLayout`); pairs in
         `same_device` go through shared memory. `posted`: queued behind this step's update, with the engines
-        already waiting (`weight_sync.p2p.await_senders`): refused, nothing sent, unless that update ran to
-        its end; announced to the engines first."""
+        already waiting (`weight_sync.p2p.await_senders`): announced to them first; refused, nothing sent (and
+        the engines told so), unless that update ran to its end."""
         from weight_sync.p2p import announce, run_plan
 
         t0, go = time.time(), []
         if posted:
-            if not self.updated:
+            go = announce(sync.plan(), self.rank, self.sync_group, starts=self.updated)
+            if not self.updated:  # the engines waiting for this rank stop at once
+                for work in go:
+                    work.wait()
                 raise RuntimeError("weight sync queued behind an update that did not finish: nothing sent")
-            go = announce(sync.plan(), self.rank, self.sync_group)
         self.trainer.onload(self._device())
         _, src = self.trainer.export_shards()
         # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines)

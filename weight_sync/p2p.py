@@ -346,11 +346,12 @@ def _nonfinite_param(bucket: list[Transfer], flat: torch.Tensor) -> str:
     return bucket[0].param
 
 
-def announce(plan: Plan, rank: int, group=None) -> list:
+def announce(plan: Plan, rank: int, group=None, starts: bool = True) -> list:
     """Tell every rank this one sends to in `plan` that its part starts now, for receivers that posted
     their receive before this rank had anything to send (`await_senders`); one int64 each, in host memory.
-    Returns the sends' works (done once the receivers took them)."""
-    one = torch.tensor([rank], dtype=torch.int64)
+    `starts=False`: that it sends nothing (its update failed), so that they stop waiting at once. Returns the
+    sends' works (done once the receivers took them)."""
+    one = torch.tensor([rank if starts else -1], dtype=torch.int64)
     return [isend(one, d, control_of(group), TAG_GO) for (s, d), _ in plan.pairs if s == rank and d != rank]
 
 
@@ -371,6 +372,10 @@ def await_senders(plan: Plan, rank: int, group=None, timeout_s: float = 3600.0) 
         except RuntimeError as e:
             raise RuntimeError(f"weight sync: rank {rank} waited {timeout_s:.0f} s for rank {s} to start sending: "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    for s, buf in posted:
+        if int(buf[0]) < 0:
+            raise RuntimeError(f"weight sync: rank {s} sends nothing (its update did not finish); rank {rank} keeps "
+                               f"the weights it has")
     return time.time()
 
 

@@ -3,6 +3,7 @@ over gloo. Bit-exact against the reference, every byte accounted for, corruption
 and named, segments reused across syncs, and nothing left in /dev/shm after success or failure."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,10 @@ def posted_worker(rank, src_layout, dst_layout, offset, world, pairs, delay_s, w
         time.sleep(delay_s)
         if not announces:
             return {}
+        if announces == "nothing":  # its update failed: the receivers stop waiting at once
+            for w in announce(plan, rank, starts=False):
+                w.wait()
+            return {}
         go = announce(plan, rank)
         run_plan(plan, rank, local_tensors(full, rank_sharding(cfg, src_layout, rank)), None, torch.float32,
                  same_device=pairs)
@@ -191,4 +196,9 @@ def test_a_receive_posted_before_its_senders_waits_past_the_group_timeout_and_is
     with pytest.raises(RuntimeError, match=r"rank [23] waited 1 s for rank [01] to start sending"):
         run_ranks(posted_worker, world, src_layout, dst_layout, offset, world, pairs, 4.0, 1.0, False,
                   timeout_s=60, collective_timeout_s=30)
+    t0 = time.monotonic()  # senders whose update failed say so: the receivers stop long before their 60 s
+    with pytest.raises(RuntimeError, match=r"rank [01] sends nothing \(its update did not finish\); rank [23] keeps"):
+        run_ranks(posted_worker, world, src_layout, dst_layout, offset, world, pairs, 0.5, 60.0, "nothing",
+                  timeout_s=60, collective_timeout_s=30)
+    assert time.monotonic() - t0 < 30
     assert ours() <= before
