@@ -309,9 +309,9 @@ class Roles:
 
     def post_sync(self, sync_layout, version: int, same_device=frozenset()) -> tuple:
         """The sync of `version` sent right after the trainer's update calls (`submit`), for `sync_weights` to
-        wait for: each trainer rank's send runs on its actor right behind its update (refused there, nothing
-        sent, if the update failed), and the engines, idle meanwhile, are already waiting for it: no driver
-        round trip between the update's end and the sync's start."""
+        wait for: each trainer rank's send runs on its actor right behind its update (if the update failed it
+        sends nothing and tells the engines so), and the engines, idle meanwhile, are already waiting for it:
+        no driver round trip between the update's end and the sync's start."""
         return self.submit_sync(sync_layout, version, same_device, posted=True)
 
     def shutdown(self) -> None:
