@@ -205,9 +205,11 @@ class Roles:
                **kwargs) -> tuple[list, list]:
         """`all`'s calls sent and not waited for (`wait`), so that others can be queued behind them."""
         extra = per_rank or [{}] * len(group)
-        calls = [(h, method, args, kwargs | e) for h, e in zip(group, extra)]
+        return self._send([(h, method, args, kwargs | e) for h, e in zip(group, extra)], method)
+
+    def _send(self, calls: list, phase: str) -> tuple[list, list]:
         subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
-        self.inject(method)
+        self.inject(phase)  # chaos: kills as the phase's calls go out
         return calls, subs
 
     def wait(self, sent: tuple[list, list], timeout_s: float | None = None) -> list:
@@ -290,7 +292,8 @@ class Roles:
     def sync_weights(self, sync_layout, version: int, same_device=frozenset(), posted=None) -> SyncReplies:
         """Trainer ranks send, engine hosts receive and install (pairs in `same_device` through shared
         memory). A rank whose process answers no liveness probe for its `probe_s` fails the sync at once
-        (RoleError.hung) instead of after the group's timeout. `posted`: what `post_sync` sent, waited for."""
+        (RoleError.hung) instead of after the group's timeout. `posted`: what `submit_sync(..., posted=True)`
+        sent with the update, waited for here."""
         if posted is None:
             posted = self.submit_sync(sync_layout, version, same_device)
         replies = call_all(posted[0], self.timeout_s, probe=True, submitted=posted[1])
@@ -298,21 +301,15 @@ class Roles:
         return SyncReplies(replies[:len(self.trainer)], replies[len(self.trainer):])
 
     def submit_sync(self, sync_layout, version: int, same_device=frozenset(), posted: bool = False) -> tuple:
-        """A sync's calls sent. `posted`: sent while the trainer still updates (`post_sync`)."""
+        """The sync of `version`'s calls sent, for `sync_weights` to wait for. `posted`: sent right after the
+        trainer's update calls (`submit`): each trainer rank's send runs on its actor right behind its update
+        (if the update failed it sends nothing and tells the engines so), and the engines, idle meanwhile, are
+        already waiting for it: no driver round trip between the update's end and the sync's start."""
         go = {"posted": True} if posted else {}
         calls = [(h, "send_weights", (sync_layout, same_device), go) for h in self.trainer]
         wait = {"wait_s": self.timeout_s + 60.0} if posted else {}  # outlasts the update's own deadline
         calls += [(e, "receive_weights", (sync_layout, version, same_device), wait) for e in self.engines]
-        subs = [h.submit(m, *a, **kw) for h, m, a, kw in calls]
-        self.inject("sync")
-        return calls, subs
-
-    def post_sync(self, sync_layout, version: int, same_device=frozenset()) -> tuple:
-        """The sync of `version` sent right after the trainer's update calls (`submit`), for `sync_weights` to
-        wait for: each trainer rank's send runs on its actor right behind its update (if the update failed it
-        sends nothing and tells the engines so), and the engines, idle meanwhile, are already waiting for it:
-        no driver round trip between the update's end and the sync's start."""
-        return self.submit_sync(sync_layout, version, same_device, posted=True)
+        return self._send(calls, "sync")
 
     def shutdown(self) -> None:
         import ray

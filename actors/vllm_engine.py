@@ -202,7 +202,7 @@ class VLLMEngine:
                                        f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
                                        f": {bad[0]['error']}")
         self.serving = False  # from here on parts may be installed: serve again only once all of them are
-        t0 = max(t0, min(r["go"] for r in received))  # a posted receive: from when the senders started
+        t0 = t0 if wait_s is None else min(r["go"] for r in received)  # posted: from when the senders started
         if one_call:
             failed = received[0].get("install_error")
             if failed:

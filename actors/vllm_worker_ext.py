@@ -365,7 +365,7 @@ class WeightUpdateExtension:
         import time
 
         (sync, spec, mine), rank = self._rlhf_mine(payload), self._rlhf_group.rank
-        go = time.time() if wait_s is None else await_senders(sync.plan(), rank, self._rlhf_group, wait_s)
+        go = None if wait_s is None else await_senders(sync.plan(), rank, self._rlhf_group, wait_s)
         t0 = time.perf_counter()
         dst, in_place = self._rlhf_destination(spec, mine)
         dtype = getattr(torch, spec.dtype)

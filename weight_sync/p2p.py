@@ -365,15 +365,14 @@ def await_senders(plan: Plan, rank: int, group=None, timeout_s: float = 3600.0) 
     deadline = time.monotonic() + timeout_s
     posted = [(s, torch.empty(1, dtype=torch.int64)) for (s, d), _ in plan.pairs if d == rank and s != rank]
     works = [(s, irecv(buf, s, control_of(group), TAG_GO)) for s, buf in posted]
-    for s, work in works:
+    for (s, work), (_, buf) in zip(works, posted):
         left = max(deadline - time.monotonic(), 0.001)
         try:
             work.wait(datetime.timedelta(seconds=left))
         except RuntimeError as e:
             raise RuntimeError(f"weight sync: rank {rank} waited {timeout_s:.0f} s for rank {s} to start sending: "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-    for s, buf in posted:
-        if int(buf[0]) < 0:
+        if int(buf[0]) < 0:  # said at once, without waiting for the other senders
             raise RuntimeError(f"weight sync: rank {s} sends nothing (its update did not finish); rank {rank} keeps "
                                f"the weights it has")
     return time.time()

@@ -120,8 +120,8 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.top_p", r.top_p, "must be in (0, 1]"))
     if r.temperature < 0:
         p.append(Problem("rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)"))
-    if cfg.placement.device_type.value == "cpu" and r.cpu_kv_cache_gib * 2**30 < kv_bytes(m, r, m.max_position_embeddings):
-        need = kv_bytes(m, r, m.max_position_embeddings) / 2**30
+    need = kv_bytes(m, r, m.max_position_embeddings) / 2**30 if cfg.placement.device_type.value == "cpu" else 0.0
+    if r.cpu_kv_cache_gib < need:  # vLLM's minimum: one max-length sequence
         p.append(Problem("rollout.cpu_kv_cache_gib", r.cpu_kv_cache_gib,
                          f"holds fewer tokens than one sequence of model.max_position_embeddings="
                          f"{m.max_position_embeddings} (vLLM refuses to start): give at least {need:.3g} GiB"))

@@ -31,7 +31,7 @@ class Recovery:
         """The weight sync of `version` to every engine; an engine that died before or during it, or hung in it
         (silent to liveness probes, or its receive unanswered by the call's deadline), is replaced
         (`recover_engines`) and the sync done again, to all. `posted`: its calls, sent with the update
-        (`post_sync`)."""
+        (`Roles.submit_sync(..., posted=True)`)."""
         try:
             return self.roles.sync_weights(self.inputs.sync, version, self.inputs.same_device, posted)
         except RoleError as e:

@@ -322,7 +322,7 @@ class Run(Recovery, ExpertBalancing):
         self.log(f"resumed from {d} at step {self.step}")
 
     def can_post_sync(self, step: int) -> bool:
-        """Whether this step's sync may go out with its update (`Roles.post_sync`): the engines can receive while
+        """Whether this step's sync may go out with its update (`Roles.submit_sync`): the engines can receive while
         the trainer updates (awake, or asleep in name only: vLLM has no sleep mode on cpu), and no expert
         migration comes between the two (it changes what is sent)."""
         b = self.cfg.trainer.expert_balance

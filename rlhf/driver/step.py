@@ -65,7 +65,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     with run.phase("update", step):
         sent = roles.submit(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
         if switch and run.can_post_sync(step):  # synchronous loop, engines idle: the sync goes out behind the update
-            posted = roles.post_sync(run.inputs.sync, step, run.inputs.same_device)
+            posted = roles.submit_sync(run.inputs.sync, step, run.inputs.same_device, posted=True)
         try:
             updates = roles.wait(sent)
         except RoleError:

@@ -63,3 +63,14 @@ def test_finite_check_catches_every_nan_and_inf_and_no_finite_overflow(dtype):
     assert not all_finite(y)
     big = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)
     assert not torch.isfinite(big.sum()) and all_finite(big)
+
+
+def test_the_receiver_posts_room_for_exactly_the_sums_a_bucket_gets():
+    """A receiver posts its senders' block-sum receive before any bucket arrives (`_post_sums`), sized from the
+    plan by `_n_sums`: it must equal what `bucket_checksum` gives, aligned or not, a whole number of blocks or not."""
+    from weight_sync.p2p import _n_sums, bucket_checksum
+
+    for nbytes in (8, 4096, 4100, 8192, 12288 + 24, 65536 + 4095):
+        data = torch.zeros(nbytes + 8, dtype=torch.uint8)
+        for start in (0, 4):  # a bucket that is a view into a larger buffer need not be 8-byte aligned
+            assert bucket_checksum(data[start:start + nbytes]).numel() == _n_sums(nbytes), (nbytes, start)
