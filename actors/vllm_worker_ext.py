@@ -22,11 +22,11 @@ import os
 import pickle
 import re
 import zlib
-from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 
+from actors.vllm_install import counts_remembered
 from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
@@ -101,55 +101,6 @@ if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # set by vllm_platform.no_co
     torch.compiler.set_stance("force_eager")
 
 
-def _count_key(loader, args):
-    """What decides the elements a weight loader copies: the loader (and the layer it is bound to), the
-    shapes and dtypes of its tensors and its other arguments (shard id, expert id, checkpoint name). None
-    when an argument is neither a tensor nor hashable (then the count is not remembered)."""
-    parts = []
-    for k, v in args.arguments.items():
-        if isinstance(v, torch.Tensor):
-            parts.append((k, tuple(v.shape), v.dtype))
-        else:
-            try:
-                hash(v)
-            except TypeError:
-                return None
-            parts.append((k, v))
-    return getattr(loader, "__func__", loader), id(getattr(loader, "__self__", None)), tuple(parts)
-
-
-@contextmanager
-def _counts_remembered(memo: dict):
-    """vLLM's layer-wise reload runs every weight loader twice: once on meta tensors under a dispatch mode
-    that counts the elements it copies (to know when a layer is complete), then for real. The count and
-    the loader's return value depend only on what `_count_key` reads, so after the first update they are
-    looked up: the reload does the same work, minus that first pass (about half its time on the tiny
-    model). Without the hook (another vLLM build) the reload runs unchanged."""
-    try:
-        from vllm.model_executor.model_loader.reload import layerwise
-    except ImportError:
-        yield
-        return
-    original = getattr(layerwise, "get_numel_loaded", None)
-    if original is None:
-        yield
-        return
-
-    def remembered(loader, args):
-        key = _count_key(loader, args)
-        if key is None:
-            return original(loader, args)
-        if key not in memo:
-            memo[key] = original(loader, args)
-        return memo[key]
-
-    layerwise.get_numel_loaded = remembered
-    try:
-        yield
-    finally:
-        layerwise.get_numel_loaded = original
-
-
 def tensor_crc32(t: torch.Tensor) -> int:
     """CRC32 of a tensor's bytes (catches any flipped bit); the same function on both sides."""
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
@@ -168,7 +119,7 @@ class WeightUpdateExtension:
         return out
 
     def _rlhf_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        with _counts_remembered(self.__dict__.setdefault("_rlhf_counts", {})):
+        with counts_remembered(self.__dict__.setdefault("_rlhf_counts", {})):
             return self._rlhf_reload_layerwise(weights)
 
     def _rlhf_reload_layerwise(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -350,9 +301,10 @@ class WeightUpdateExtension:
         if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
             return {n: params[n].data for n, _ in mine.buffers}, True
         from actors.vllm_install import DirectInstall
+        from weight_sync.staging import StagingBuffers
 
         dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
-        self._rlhf_staging = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
+        self._rlhf_staging = StagingBuffers(dict(mine.buffers), dtype)  # released after each install
         self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
         return self._rlhf_staging, False
 
@@ -404,16 +356,22 @@ class WeightUpdateExtension:
         faster); nothing where the receive went into the parameters. "path" says which was taken."""
         import time
 
-        from weight_sync.pieces import assemble, buffer_region
-
         t0 = time.perf_counter()
         sync, spec, mine = self._rlhf_sync[1:]
         moved = self._rlhf_follow_placement(sync)
         if self._rlhf_staging is None:
             return {"tensors": 0, "seconds": 0.0, "layers_replaced": moved, "path": "in place"}
-        if self._rlhf_direct is not None:
-            n = self._rlhf_direct(self._rlhf_staging)
-            return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved, "path": "direct"}
+        direct = self._rlhf_direct is not None
+        try:
+            n = self._rlhf_direct(self._rlhf_staging) if direct else self._rlhf_reload_staged(spec, mine)
+        finally:  # installed or not, the staged copy is not needed until the next receive: its memory goes back
+            self._rlhf_staging.release()
+        return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved,
+                "path": "direct" if direct else "reload"}
+
+    def _rlhf_reload_staged(self, spec, mine) -> int:
+        from weight_sync.pieces import assemble, buffer_region
+
         shapes, region = spec.shapes(), buffer_region(self._rlhf_staging)
         by_param: dict[str, list] = {}
         for p in mine.pieces:
@@ -431,8 +389,7 @@ class WeightUpdateExtension:
             for name in padding_only:
                 yield name, torch.zeros(shapes[name], dtype=getattr(torch, spec.dtype))
 
-        n = self._rlhf_reload(weights())
-        return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved, "path": "reload"}
+        return self._rlhf_reload(weights())
 
     def _rlhf_moe_maps(self) -> list[tuple[int, torch.Tensor]]:
         """(layer, its global -> local expert map) of every expert-parallel MoE layer of this worker: the tensor

@@ -51,12 +51,13 @@ class MemorySampler:
     ROLES = {"TrainerWorker": "trainer", "PolicyWorker": "reference", "VLLMEngine": "rollout", "VLLM": "rollout",
              "RewardWorker": "reward", "RuleRewardWorker": "reward"}
 
-    def __init__(self, period: float = 0.5):
+    def __init__(self, period: float = 0.5, timeline: Path | None = None):
         import psutil
 
-        self.psutil, self.period = psutil, period
+        self.psutil, self.period, self.timeline = psutil, period, timeline
         self.idle = psutil.virtual_memory().used
         self.peak_used, self.peak_tree, self.peak_roles = 0, 0, {}
+        self.roles_at_peak: dict[str, int] = {}  # each role's memory when the machine's use peaked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -70,25 +71,41 @@ class MemorySampler:
 
     def _run(self):
         me = self.psutil.Process()
-        while not self._stop.wait(self.period):
+        t0 = time.time()
+        out = open(self.timeline, "w") if self.timeline else None
+        try:
+            while not self._stop.wait(self.period):
+                self._sample(me, t0, out)
+        finally:
+            if out:
+                out.close()
+
+    def _sample(self, me, t0: float, out) -> None:
+        try:
+            procs = [me] + me.children(recursive=True)
+        except self.psutil.Error:
+            return
+        roles: dict[str, int] = {}
+        tree = 0
+        for p in procs:
             try:
-                procs = [me] + me.children(recursive=True)
+                rss, title = p.memory_info().rss, " ".join(p.cmdline()[:1])
             except self.psutil.Error:
                 continue
-            roles: dict[str, int] = {}
-            tree = 0
-            for p in procs:
-                try:
-                    rss, title = p.memory_info().rss, " ".join(p.cmdline()[:1])
-                except self.psutil.Error:
-                    continue
-                tree += rss
-                role = next((r for key, r in self.ROLES.items() if key in title), "other")
-                roles[role] = roles.get(role, 0) + rss
-            self.peak_tree = max(self.peak_tree, tree)
-            self.peak_used = max(self.peak_used, self.psutil.virtual_memory().used)
-            for role, b in roles.items():
-                self.peak_roles[role] = max(self.peak_roles.get(role, 0), b)
+            tree += rss
+            role = next((r for key, r in self.ROLES.items() if key in title), "other")
+            roles[role] = roles.get(role, 0) + rss
+        used = self.psutil.virtual_memory().used
+        self.peak_tree = max(self.peak_tree, tree)
+        if used > self.peak_used:
+            self.peak_used, self.roles_at_peak = used, roles
+        for role, b in roles.items():
+            self.peak_roles[role] = max(self.peak_roles.get(role, 0), b)
+        if out:
+            gib = 1 << 30
+            out.write(json.dumps({"t": round(time.time() - t0, 1), "used_gib": round((used - self.idle) / gib, 3),
+                                  **{r: round(b / gib, 3) for r, b in sorted(roles.items())}}) + "\n")
+            out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(REPO / "configs" / "small_cpu.yaml"))
     parser.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--memory-timeline", type=Path, default=None,
+                        help="write every memory sample (machine use above idle, each role's resident GiB) as jsonl")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
     args = parser.parse_args(argv)
 
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     build_policy(cfg)
     keep_previous(cfg.output_dir)  # a fresh run: no earlier steps or checkpoints in its way
     gib = 1 << 30
-    with MemorySampler() as mem:
+    with MemorySampler(timeline=args.memory_timeline) as mem:
         t0 = time.time()
         result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.time() - t0
@@ -128,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
            "peak_memory_gib": round((mem.peak_used - mem.idle) / gib, 2),
            "peak_tree_rss_gib": round(mem.peak_tree / gib, 2),
            "peak_memory_gib_per_role": {r: round(b / gib, 2) for r, b in sorted(mem.peak_roles.items())},
+           "roles_at_peak_gib": {r: round(b / gib, 2) for r, b in sorted(mem.roles_at_peak.items())},
            "wall_seconds": round(wall, 1)}
     print(json.dumps(out))
     return 0

@@ -6,7 +6,8 @@
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
-self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches.
+self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches, and each
+rank's resident memory (`memory_gib`: now and the peak so far, after init and after each timed step).
 The weights are random (our code), written once to `out/bench/<model name>-update`.
 """
 
@@ -44,6 +45,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     tcfg = TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=4096,
                          compute_dtype=DType(compute_dtype) if compute_dtype else None)
     trainer = ParallelTrainer(cfg, tcfg, layout, rank, model_dir)
+    memory = {"after_init": _memory_gib()}
     algo = AlgorithmConfig()
     normaliser = loss_normaliser(algo, batch.mask_BT)
     mbs = batch.micro_batches(list(range(B)), ranks, layout.coords(rank).dp, 4096)
@@ -56,12 +58,20 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         t0 = time.perf_counter()
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
+        memory[f"after_step_{len(seconds)}"] = _memory_gib()
     table = ""
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table}
+    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory}
+
+
+def _memory_gib() -> dict:
+    """This process's resident memory now and its peak so far (VmRSS, VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+    return {"rss": round(kb["VmRSS"] / (1 << 20), 2), "peak": round(kb["VmHWM"] / (1 << 20), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batches": results[0]["micro_batches"],
-                      "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)}}))
+                      "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
+                      "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}))
     return 0
 
 

@@ -120,6 +120,29 @@ def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def all_reduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+    """Sum the tensors over `group`: flat all-reduces of about `bucket_bytes` each (a tensor larger than that
+    alone), so the copy made for them is one bucket at a time, not all of them at once."""
+    if group is None:
+        return
+    i = 0
+    while i < len(tensors):
+        j, size = i + 1, tensors[i].numel() * tensors[i].element_size()
+        while j < len(tensors) and size + tensors[j].numel() * tensors[j].element_size() <= bucket_bytes:
+            size += tensors[j].numel() * tensors[j].element_size()
+            j += 1
+        bucket, i = tensors[i:j], j
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            all_reduce(bucket[0], group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        all_reduce(flat, group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

@@ -26,7 +26,7 @@ from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.model.sharding import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
-from rlhf.parallel.comm import LayoutGroups, all_reduce, bounded, build_groups
+from rlhf.parallel.comm import LayoutGroups, all_reduce, all_reduce_bucketed, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.migrate import move_experts
 from rlhf.parallel.optim import ShardedAdamW
@@ -296,7 +296,7 @@ class ParallelTrainer:
         tp > KV heads: the TP ranks sharing a KV head each saw their own query heads, so k/v gradients
         are first summed over them."""
         if self.groups.kv_head is not None:
-            _all_reduce_flat([p.grad for n, p in self.trained.items() if split_of(n) is Split.tp_kv_rows],
+            all_reduce_bucketed([p.grad for n, p in self.trained.items() if split_of(n) is Split.tp_kv_rows],
                              self.groups.kv_head)
         buckets: dict[str, tuple[object, list[torch.Tensor]]] = {}
         for name, p in self.trained.items():
@@ -306,7 +306,7 @@ class ParallelTrainer:
             if group is not None:
                 buckets.setdefault(kind, (group, []))[1].append(p.grad)
         for group, grads in buckets.values():
-            _all_reduce_flat(grads, group)
+            all_reduce_bucketed(grads, group)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (each replica counted once); clip like
@@ -480,18 +480,6 @@ class ParallelTrainer:
         rows = [b.last_tokens_per_expert for b in self._moe_blocks()]
         stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long, device=self.device)
         return all_reduce(stats, self.groups.stage)
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """Sum the tensors over `group` in one flat all-reduce."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce(flat, group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _checkpointed(fn):
