@@ -1,6 +1,6 @@
 """The `rlhf` command.
 
-    rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F] [--lr F]
+    rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F] [--lr F] [--init-std F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
     rlhf plan RUN.yaml [key=value ...]      device map, memory (shard-exact and simulated), weight-sync plan
@@ -25,7 +25,7 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def _make_tiny(args) -> int:
     from rlhf.config import load_model_config
     from rlhf.errors import ConfigError
-    from rlhf.tiny import TinySpec, make_tiny, sft_lr, sft_max_steps
+    from rlhf.tiny import TinySpec, make_tiny, sft_init_std, sft_lr, sft_max_steps
 
     path = Path(args.model)
     if not path.is_file() and (REPO_CONFIGS / "model" / f"{args.model}.yaml").is_file():
@@ -36,9 +36,12 @@ def _make_tiny(args) -> int:
                           f"({names})")
     if args.lr is not None and args.lr <= 0:
         raise ConfigError(f"--lr {args.lr}: the learning rate must be positive, e.g. 1e-3")
+    if args.init_std is not None and args.init_std <= 0:
+        raise ConfigError(f"--init-std {args.init_std}: the standard deviation must be positive, e.g. 0.02")
     cfg = load_model_config(path)
     spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr,
-                    max_sft_steps=sft_max_steps(cfg))
+                    max_sft_steps=sft_max_steps(cfg),
+                    init_std=sft_init_std(cfg) if args.init_std is None else args.init_std)
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
     return 0
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop the supervised warm start once greedy held-out accuracy reaches this fraction")
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate of the warm start (default: 3e-3 for Qwen3-MoE, 1e-3 for pangu_moe)")
+    p.add_argument("--init-std", type=float, default=None,
+                   help="standard deviation of the random start (default: 0.02, 0.1 for MLA attention as pangu_moe has)")
     p.set_defaults(func=_make_tiny)
 
     for name, func, text in (("check", _check, "validate a run config and print it resolved"),

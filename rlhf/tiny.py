@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf.schema import Architecture, ModelConfig
+from rlhf.schema import Architecture, Attention, ModelConfig
 from rlhf.data.arithmetic import Problem, is_correct, make_problems, write_jsonl
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.generate import greedy_generate
@@ -53,6 +53,15 @@ def sft_lr(model_cfg: ModelConfig) -> float:
     at Qwen3-MoE's 3e-3 (loss 1.7, accuracy 0 after 950 steps; loss 1.25 after 2,900 with warmup and gradient
     clipping, a one-off script outside the repo) and learns at 1e-3."""
     return 1e-3 if model_cfg.architecture is Architecture.pangu_moe else TinySpec.lr
+
+
+def sft_init_std(model_cfg: ModelConfig) -> float:
+    """The random start's standard deviation by attention kind. Multi-head latent attention has no per-head
+    query / key RMSNorm (Qwen3 normalises both, so its first attention scores are of order one): on a 96-wide
+    model at std 0.02 its first scores are of order 0.01, attention is uniform and the bilinear q.k grows out
+    of it slowly. At 0.1 the tiny DeepSeek-V3 / Pangu model's warm start learns about as fast as the Qwen3-MoE
+    one (docs/tiny_world.md, `--init-std`)."""
+    return 0.1 if model_cfg.attention is Attention.mla else TinySpec.init_std
 
 
 def sft_max_steps(model_cfg: ModelConfig) -> int:

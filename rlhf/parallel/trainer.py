@@ -291,13 +291,13 @@ class ParallelTrainer:
         return buckets
 
     def sync_grads(self) -> None:
-        """Sum each gradient over the ranks that hold the same shard but saw other tokens; one flat
-        all-reduce per group kind. Row shards (zero_stage=3) arrive summed from their gather's backward.
+        """Sum each gradient over the ranks that hold the same shard but saw other tokens; flat all-reduces
+        of 32 MB buckets per group kind. Row shards (zero_stage=3) arrive summed from their gather's backward.
         tp > KV heads: the TP ranks sharing a KV head each saw their own query heads, so k/v gradients
         are first summed over them."""
         if self.groups.kv_head is not None:
             all_reduce_bucketed([p.grad for n, p in self.trained.items() if split_of(n) is Split.tp_kv_rows],
-                             self.groups.kv_head)
+                                self.groups.kv_head)
         buckets: dict[str, tuple[object, list[torch.Tensor]]] = {}
         for name, p in self.trained.items():
             if name in self.row_shards:

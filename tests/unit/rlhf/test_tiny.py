@@ -6,7 +6,8 @@ import pytest
 from rlhf.config import ConfigError, load_run_config
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import check_model_dir
-from rlhf.tiny import TinySpec, make_tiny
+from rlhf.config import load_model_config
+from rlhf.tiny import TinySpec, make_tiny, sft_init_std
 
 QUICK = TinySpec(n_sft=400, n_train=40, n_heldout=16, max_sft_steps=6, eval_every=3, batch_size=16,
                  target_accuracy=1.0, min_accuracy=0.0)
@@ -31,3 +32,9 @@ def test_run_refuses_a_policy_dir_of_another_shape(tmp_path):
         check_model_dir(cfg.model)
     with pytest.raises(ConfigError, match="rlhf make-tiny"):
         check_model_dir(load_run_config(CONFIGS / "tiny_cpu.yaml", [f"model.path={tmp_path / 'none'}"]).model)
+
+
+def test_the_warm_start_of_latent_attention_starts_from_a_wider_init():
+    # MLA has no per-head q / k norm: at std 0.02 its first attention scores are near zero (docs/tiny_world.md)
+    assert sft_init_std(load_model_config(CONFIGS / "model" / "pangu_moe_tiny.yaml")) == 0.1
+    assert sft_init_std(load_model_config(CONFIGS / "model" / "qwen3_moe_tiny.yaml")) == TinySpec.init_std == 0.02

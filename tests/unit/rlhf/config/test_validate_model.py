@@ -36,12 +36,14 @@ def test_router_bias_update_rate_is_refused_when_negative_or_without_a_sigmoid_r
         load_run_config(tiny, ["trainer.router_bias_update_rate=0.001"])
 
 
-def test_make_tiny_names_the_models_it_knows_and_refuses_a_bad_learning_rate(tmp_path, capsys):
+def test_make_tiny_names_the_models_it_knows_and_refuses_a_bad_learning_rate_or_init_std(tmp_path, capsys):
     assert main(["make-tiny", str(tmp_path / "x"), "--model", "nosuch"]) != 0
     err = capsys.readouterr().err
     assert "--model nosuch: no such YAML file and no model of that name" in err and "pangu_moe_tiny" in err
     assert main(["make-tiny", str(tmp_path / "x"), "--model", "pangu_moe_tiny", "--lr", "-1"]) != 0
     assert "--lr -1.0: the learning rate must be positive" in capsys.readouterr().err
+    assert main(["make-tiny", str(tmp_path / "x"), "--init-std", "0"]) != 0
+    assert "--init-std 0.0: the standard deviation must be positive" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
