@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
-           compute_dtype: str | None = None, profile: bool = True) -> dict:
+           compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096) -> dict:
     import torch
 
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
@@ -42,13 +42,13 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     batch = TokenBatch.from_samples(prompts, responses, [[-1.0] * new_tokens] * B)
     batch = batch.with_(advantages_B=torch.randn(B, generator=g))
     layout = Layout(dp=ranks, ep=ranks)
-    tcfg = TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=4096,
+    tcfg = TrainerConfig(dp=ranks, ep=ranks, micro_batch_tokens=micro_batch_tokens,
                          compute_dtype=DType(compute_dtype) if compute_dtype else None)
     trainer = ParallelTrainer(cfg, tcfg, layout, rank, model_dir)
     memory = {"after_init": _memory_gib()}
     algo = AlgorithmConfig()
     normaliser = loss_normaliser(algo, batch.mask_BT)
-    mbs = batch.micro_batches(list(range(B)), ranks, layout.coords(rank).dp, 4096)
+    mbs = batch.micro_batches(list(range(B)), ranks, layout.coords(rank).dp, micro_batch_tokens)
 
     def step():
         trainer.train_step(mbs, lambda lp, e, mb: policy_loss(algo, lp, e, mb.extras, normaliser, LossRecord()))
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
                         help="trainer.compute_dtype (default: the model's dtype)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer.micro_batch_tokens")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
     args = parser.parse_args(argv)
 
@@ -97,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         model.init_weights(0, std=0.02)
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
-                        args.new_tokens, args.compute_dtype, not args.no_profile, timeout_s=1800)
+                        args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
-                      "micro_batches": results[0]["micro_batches"],
+                      "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}))
     return 0
