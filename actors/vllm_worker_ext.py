@@ -304,7 +304,7 @@ class WeightUpdateExtension:
         from weight_sync.staging import StagingBuffers
 
         dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
-        self._rlhf_staging = StagingBuffers(dict(mine.buffers), dtype)  # released after each install
+        self._rlhf_staging = StagingBuffers(dict(mine.buffers), dtype)  # released after each install / rejection
         self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
         return self._rlhf_staging, False
 
@@ -322,14 +322,20 @@ class WeightUpdateExtension:
         dst, in_place = self._rlhf_destination(spec, mine)
         dtype = getattr(torch, spec.dtype)
         injector = _flip_first_element if fault_rank == rank else None
+
+        def rejected(error: str) -> dict:
+            if not in_place:  # nothing of it will be installed: the staged pages go back now
+                dst.release()
+            return {"ok": False, "error": error, "in_place": in_place, "rank": rank}
+
         try:
             stats = run_plan(sync.plan(), rank, None, dst, dtype, group=self._rlhf_group, check_finite=True,
                              same_device={tuple(p) for p in same_device}, fault_injector=injector)
         except ChecksumMismatch as e:
             log.error("weight sync rejected on worker %d: %s", self.rank, e)
-            return {"ok": False, "error": str(e), "in_place": in_place, "rank": rank}
+            return rejected(str(e))
         if stats.nonfinite is not None:
-            return {"ok": False, "error": f"{stats.nonfinite} holds non-finite values", "in_place": in_place, "rank": rank}
+            return rejected(f"{stats.nonfinite} holds non-finite values")
         return {"ok": True, "in_place": in_place, "rank": rank, "go": go,
                 "bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
                 "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,

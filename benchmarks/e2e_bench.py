@@ -62,6 +62,7 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
+        self._out = open(self.timeline, "w") if self.timeline else None  # a bad path fails here, before the run
         self._thread.start()
         return self
 
@@ -72,13 +73,12 @@ class MemorySampler:
     def _run(self):
         me = self.psutil.Process()
         t0 = time.time()
-        out = open(self.timeline, "w") if self.timeline else None
         try:
             while not self._stop.wait(self.period):
-                self._sample(me, t0, out)
+                self._sample(me, t0, self._out)
         finally:
-            if out:
-                out.close()
+            if self._out:
+                self._out.close()
 
     def _sample(self, me, t0: float, out) -> None:
         try:
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write every memory sample (machine use above idle, each role's resident GiB) as jsonl")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
     args = parser.parse_args(argv)
+    if args.memory_timeline and not args.memory_timeline.resolve().parent.is_dir():
+        parser.error(f"--memory-timeline {args.memory_timeline}: its folder does not exist; create it or give another")
 
     from rlhf.config import load_run_config
     from rlhf.driver import train

@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer.micro_batch_tokens")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
     args = parser.parse_args(argv)
+    if args.micro_batch_tokens < 1:
+        parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
 
     from rlhf.config import load_model_config
     from rlhf.model.hf_io import save_pretrained

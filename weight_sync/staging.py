@@ -8,6 +8,8 @@ anonymous memory mapping: `release()` drops its pages (`madvise(MADV_DONTNEED)`)
 fresh zero pages. So between syncs they hold no memory, after a release they read as zeros, exactly as freshly
 allocated buffers do (rows that no transfer covers, such as vocabulary padding, must be zeros), and the tensor
 objects stay the same, so the receive's cached destination views (`weight_sync.p2p._DstRegions`) stay valid.
+The engine worker releases them after each install, and at once when its own receive is rejected (a worker
+whose peer worker rejected keeps its pages until its next install).
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ class StagingBuffers(dict):
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
         item = torch.empty((), dtype=dtype).element_size()
-        offsets, total = {}, 0
-        for name, shape in shapes.items():
-            offsets[name] = total
-            total += -(-math.prod(shape) * item // _ALIGN) * _ALIGN
+        sizes = {name: math.prod(shape) * item for name, shape in shapes.items()}
+        starts, total = {}, 0
+        for name, n in sizes.items():
+            starts[name], total = total, total + -(-n // _ALIGN) * _ALIGN
         # private: MADV_DONTNEED frees the pages (a shared mapping would keep them in shmem, and its contents)
         self._map = mmap.mmap(-1, max(total, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        super().__init__({name: raw[o:o + math.prod(shape) * item].view(dtype).view(shape)
-                          for (name, shape), o in zip(shapes.items(), offsets.values())})
+        super().__init__({name: raw[starts[name]:starts[name] + sizes[name]].view(dtype).view(shape)
+                          for name, shape in shapes.items()})
 
     def release(self) -> None:
         """Give the pages back: resident memory drops by the buffers' size; they read as zeros afterwards."""

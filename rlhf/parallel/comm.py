@@ -125,22 +125,26 @@ def all_reduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 
     alone), so the copy made for them is one bucket at a time, not all of them at once."""
     if group is None:
         return
-    i = 0
-    while i < len(tensors):
-        j, size = i + 1, tensors[i].numel() * tensors[i].element_size()
-        while j < len(tensors) and size + tensors[j].numel() * tensors[j].element_size() <= bucket_bytes:
-            size += tensors[j].numel() * tensors[j].element_size()
-            j += 1
-        bucket, i = tensors[i:j], j
+    for bucket in _buckets(tensors, bucket_bytes):
         if len(bucket) == 1 and bucket[0].is_contiguous():
             all_reduce(bucket[0], group)
             continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        all_reduce(flat, group)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        flat = all_reduce(torch.cat([t.reshape(-1) for t in bucket]), group)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int):
+    """Consecutive runs of `tensors` of at most `limit` bytes each (a larger tensor alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        if bucket and size + t.nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.nbytes
+    if bucket:
+        yield bucket
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -109,14 +109,13 @@ def model_cost(m: ModelConfig) -> ModelCost:
         elif name.startswith("model.layers."):
             layer_dense += n
     H, N = m.hidden_size, m.num_attention_heads
+    kv = kv_per_token_layer(m)
     if m.attention is Attention.mla:
         a = m.mla
         attn_width = N * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
-        kv = kv_per_token_layer(m)
         qkv = N * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.kv_lora_rank + N * (a.qk_nope_head_dim + a.v_head_dim)
     else:
         attn_width = 2 * N * m.head_dim
-        kv = kv_per_token_layer(m)
         qkv = (N + 2 * m.num_key_value_heads) * m.head_dim
     moe_layers = m.num_hidden_layers - m.first_k_dense_layers
     shared = m.num_shared_experts * m.shared_expert_intermediate_size
