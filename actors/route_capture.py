@@ -199,3 +199,14 @@ def split_routes(completions: list, stages: Sequence[Sequence[int]]) -> tuple:
     out = [replace(c, routes=RouteRef(int(s), len(c.routes), itemsize=whole.itemsize))
            for c, s in zip(completions, starts)]
     return (out, *(np.ascontiguousarray(whole[:, list(layers)]) for layers in stages))
+
+
+def routes_of(routes: dict | None, request_id: str, index: int, fed: int):
+    """One sample's routes from `unpack_routes`' dict, checked to cover every token it fed through the model."""
+    if routes is None:
+        return None
+    r = routes.get((request_id, index))
+    if r is None or r.shape[0] != fed:
+        raise RuntimeError(f"route capture: request {request_id} sample {index} has routes for "
+                           f"{None if r is None else r.shape[0]} tokens, it fed {fed} through the model")
+    return r

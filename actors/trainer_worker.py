@@ -157,6 +157,7 @@ class TrainerWorker(PolicyWorker):
                 out = self.trainer.train_step(mbs, loss, batch.temperature, first=seen is not None and not losses)
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
+        self.trainer.release_grads()  # before the sync queued behind this update: its memory goes back now
         n = max(record.tokens, 1.0)
         stats = UpdateStats(loss=sum(losses) / len(losses), grad_norm=max(norms), optimizer_steps=len(losses),
                             lr=out["lr"], clip_fraction=record.clip_fraction / n, ratio_mean=record.ratio / n,

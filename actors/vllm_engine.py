@@ -73,7 +73,7 @@ class VLLMEngine:
 
         self.cfg = cfg
         self.device_type = device_type
-        self.asleep = False
+        self.asleep, self._sleep_level, self._weights_awake = False, 0, False
         kwargs = dict(
             model=str(model_dir),
             dtype=cfg.dtype.value,
@@ -187,17 +187,21 @@ class VLLMEngine:
         payload, pairs = pickle.dumps(sync), [list(p) for p in same_device]
         fault_rank = self.sync_ranks[-1] if inject_fault else -1
         one_call = len(self.sync_ranks) == 1
+        discards = self.asleep and self._sleep_level >= 2 and self.device_type is DeviceType.cpu
+        if self.asleep and self.device_type is not DeviceType.cpu and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])  # UNTESTED (no device): received in place, so mapped first
+            self._weights_awake = True
         try:
             received = self.llm.collective_rpc("rlhf_sync" if one_call else "rlhf_receive",
                                                args=(payload, pairs, fault_rank, wait_s))
         except Exception:  # the receive failed (rlhf_sync reports a failed install in its reply, not by raising)
-            if self.device_type is not DeviceType.cpu:
-                self.serving = False  # parts may have been received in place: never serve a mix
+            if self.device_type is not DeviceType.cpu or discards:
+                self.serving = False  # parts may have been received in place, or released: never serve a mix
             raise
         bad = [r for r in received if not r["ok"]]
         if bad:
-            if any(r["in_place"] for r in received):
-                self.serving = False  # parameters were written in place: never serve a mix
+            if any(r["in_place"] or r["discarded"] for r in received):
+                self.serving = False  # parameters written in place or released (asleep): never serve them
             raise WeightUpdateRejected(f"weight sync to version {version} rejected on transfer rank {bad[0]['rank']}"
                                        f"{', still serving version ' + str(self.weight_version) if self.serving else ''}"
                                        f": {bad[0]['error']}")
@@ -286,15 +290,18 @@ class VLLMEngine:
 
     # --- memory switching (co-location) ---
     def sleep(self, level: int = 1) -> dict:
-        """Release weights (level 2) or offload them and drop the KV cache (level 1) so co-located roles
-        can use the device. On CPU vLLM has no sleep mode: an explicit, logged no-op, with the same
-        protocol (sleep before training, wake_up before generating) so schedules are identical."""
+        """Free memory for co-located roles until `wake_up`; an engine asleep refuses to generate. cuda / npu:
+        vLLM's sleep mode (level 1: weights offloaded to the host, KV cache dropped; level 2: both dropped; a
+        sync wakes the weights first). cpu, where vLLM has no sleep mode: the KV cache's pages go back to the
+        system at once, and at level 2 the weights' as the next sync starts to arrive, which overwrites them all
+        (`WeightUpdateExtension.rlhf_sleep`); a sleep that no sync ends keeps the weights."""
         if self.asleep:
             return {"slept": False, "reason": "already asleep"}
-        self.asleep = True
+        self.asleep, self._sleep_level, self._weights_awake = True, level, False
         if self.device_type is DeviceType.cpu:
-            log.info("engine sleep(level=%d): no-op on cpu (vLLM has no sleep mode there); memory stays held", level)
-            return {"slept": False, "reason": "cpu: vLLM has no sleep mode", "level": level}
+            self._cache_version = -1  # the KV blocks read as zeros now: the prefix cache is reset before generating
+            return {"slept": True, "level": level, "bytes_released": sum(self.llm.collective_rpc("rlhf_sleep",
+                                                                                              args=(level,)))}
         self.llm.sleep(level=level)
         return {"slept": True, "level": level}
 
@@ -303,9 +310,9 @@ class VLLMEngine:
             return {"woke": False, "reason": "not asleep"}
         self.asleep = False
         if self.device_type is DeviceType.cpu:
-            log.info("engine wake_up: no-op on cpu")
-            return {"woke": False, "reason": "cpu: vLLM has no sleep mode"}
-        self.llm.wake_up()
+            self.llm.collective_rpc("rlhf_wake")
+        else:  # UNTESTED (no device here): weights already woken by a sync, then the KV cache
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         return {"woke": True}
 
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -413,11 +420,13 @@ class VLLMEngine:
                 return self._generate_stepwise(prompts, params, n, keep_routes)
             from vllm.inputs import TokensPrompt
 
+            from actors.route_capture import routes_of
+
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
             routes = self._take_routes([req.request_id for req in outs], keep_routes)
             return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
-                               self.weight_version, routes=self._routes_of(routes, req.request_id, c.index,
-                                                                           len(prompts[i]) + len(c.token_ids) - 1))
+                               self.weight_version, routes=routes_of(routes, req.request_id, c.index,
+                                                                     len(prompts[i]) + len(c.token_ids) - 1))
                     for i, req in enumerate(outs) for c in req.outputs]
 
     def _prefix_cache_current(self) -> None:
@@ -450,17 +459,6 @@ class VLLMEngine:
         reply = self.llm.collective_rpc("rlhf_take_routes", args=(list(request_ids),))[0]
         return unpack_routes(reply) if keep else None
 
-    @staticmethod
-    def _routes_of(routes: dict | None, request_id: str, index: int, fed: int):
-        """One sample's routes, checked to cover every token it fed through the model."""
-        if routes is None:
-            return None
-        r = routes.get((request_id, index))
-        if r is None or r.shape[0] != fed:
-            raise RuntimeError(f"route capture: request {request_id} sample {index} has routes for "
-                               f"{None if r is None else r.shape[0]} tokens, it fed {fed} through the model")
-        return r
-
     def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
                            keep_routes: bool = True) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs:
@@ -469,6 +467,8 @@ class VLLMEngine:
         other partial-rollout systems; the behaviour logprobs are the ones really sampled from."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
+        from actors.route_capture import routes_of
 
         engine, tag = self.llm.llm_engine, next(_REQUESTS)
         ids = [f"rlhf-{tag}-{i}" for i in range(len(prompts))]
@@ -495,6 +495,6 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
         routes = self._take_routes(ids, keep_routes)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
-                           tuple(versions), self._routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
+                           tuple(versions), routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
                 for i, rid in enumerate(ids)
                 for k, (tokens, logp, versions, finish) in enumerate(seqs[(rid, k)] for k in range(n))]

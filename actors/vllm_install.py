@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -116,30 +116,42 @@ class DirectInstall:
         attention = [m for m in model.modules() if is_deferred_attention_layer(m)]
         return cls(processed, plain, attention, dtype)
 
+    def targets(self) -> list[torch.Tensor]:
+        """The parameters every install overwrites in full: the plain ones and every parameter of a processed
+        layer (what a level-2 sleep may release; the processed layers' derived state, such as oneDNN handlers
+        and the MoE kernel, is rebuilt from the staged copies, never read from these)."""
+        return [p for p, _ in self.plain] + [p for layer in self.processed
+                                              for p in layer.module._parameters.values() if p is not None]
+
     @staticmethod
     def _refuse(why: str) -> None:
         log.warning("weights install through vLLM's reload: %s", why)
         return None
 
     @torch.no_grad()
-    def __call__(self, staged: Mapping[str, torch.Tensor]) -> int:
+    def __call__(self, staged: Mapping[str, torch.Tensor], copied: Callable[[list], object] | None = None) -> int:
         """Install every staged buffer; returns how many. An exception leaves a mix of versions (the caller
-        must not serve)."""
+        must not serve). `copied(buffers)`: called with each layer's staged buffers once they are copied out
+        (the worker hands their pages back as it goes: the whole staged copy and the whole installed one never
+        coexist)."""
+        copied = copied or (lambda buffers: None)
         for p, name in self.plain:
             p.data.copy_(staged[name])
+        copied([staged[name] for _, name in self.plain])
         for layer in self.processed:
-            self._process(layer, staged)
+            self._process(layer, staged, copied)
         for module in self.attention:
             module.process_weights_after_loading(self.dtype)
         return len(self.plain) + sum(len(layer.names) for layer in self.processed)
 
     @staticmethod
-    def _process(layer: _Layer, staged: Mapping[str, torch.Tensor]) -> None:
+    def _process(layer: _Layer, staged: Mapping[str, torch.Tensor], copied: Callable[[list], object]) -> None:
         module = layer.module
         qm = module.quant_method
         kernel = {n: p for n, p in module._parameters.items() if p is not None}
         for attr, name in layer.names.items():
             module.register_parameter(attr, torch.nn.Parameter(staged[name].clone(), requires_grad=False))
+        copied([staged[name] for name in layer.names.values()])
         saved_kernel = getattr(qm, "moe_kernel", None)
         if saved_kernel is not None:
             qm.moe_kernel = None  # vLLM's first-load path: replace, build the kernel, prepack (vllm_worker_ext)

@@ -301,10 +301,10 @@ class WeightUpdateExtension:
         if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
             return {n: params[n].data for n, _ in mine.buffers}, True
         from actors.vllm_install import DirectInstall
-        from weight_sync.staging import StagingBuffers
+        from rlhf.host_memory import AnonymousBuffers
 
         dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
-        self._rlhf_staging = StagingBuffers(dict(mine.buffers), dtype)  # released after each install / rejection
+        self._rlhf_staging = AnonymousBuffers(dict(mine.buffers), dtype)  # released after each install / rejection
         self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
         return self._rlhf_staging, False
 
@@ -317,16 +317,17 @@ class WeightUpdateExtension:
         import time
 
         (sync, spec, mine), rank = self._rlhf_mine(payload), self._rlhf_group.rank
+        dst, in_place = self._rlhf_destination(spec, mine)
+        discarded = self._rlhf_discard_weights(in_place)  # asleep at level 2: before waiting out the update
         go = None if wait_s is None else await_senders(sync.plan(), rank, self._rlhf_group, wait_s)
         t0 = time.perf_counter()
-        dst, in_place = self._rlhf_destination(spec, mine)
         dtype = getattr(torch, spec.dtype)
         injector = _flip_first_element if fault_rank == rank else None
 
         def rejected(error: str) -> dict:
             if not in_place:  # nothing of it will be installed: the staged pages go back now
                 dst.release()
-            return {"ok": False, "error": error, "in_place": in_place, "rank": rank}
+            return {"ok": False, "error": error, "in_place": in_place, "rank": rank, "discarded": discarded}
 
         try:
             stats = run_plan(sync.plan(), rank, None, dst, dtype, group=self._rlhf_group, check_finite=True,
@@ -336,10 +337,35 @@ class WeightUpdateExtension:
             return rejected(str(e))
         if stats.nonfinite is not None:
             return rejected(f"{stats.nonfinite} holds non-finite values")
-        return {"ok": True, "in_place": in_place, "rank": rank, "go": go,
+        return {"ok": True, "in_place": in_place, "rank": rank, "go": go, "discarded": discarded,
                 "bytes_received": stats.bytes_received, "bytes_shm": stats.bytes_shm,
                 "bytes_in_place": stats.bytes_in_place, "checked_transfers": stats.checked_transfers,
                 "seconds": time.perf_counter() - t0}
+
+    def rlhf_sleep(self, level: int) -> int:
+        """cpu, where vLLM has no sleep mode: the KV cache's pages go back to the system now (the engine resets
+        its prefix cache before it generates again); at level 2 the weights' pages go too, as the next sync's
+        receive begins (`_rlhf_discard_weights`). Returns the bytes released now."""
+        from rlhf.host_memory import release_pages
+
+        self._rlhf_discard = level >= 2
+        return release_pages(self.model_runner.kv_caches)
+
+    def rlhf_wake(self) -> None:
+        self._rlhf_discard = False  # no sync came while asleep: the weights stay (they were never released)
+
+    def _rlhf_discard_weights(self, in_place: bool) -> int:
+        """After a level-2 sleep on cpu: release every parameter page the coming install overwrites in full (the
+        direct install's targets), before the receive waits for the trainer to finish its update. Bytes released;
+        then, until that install succeeds, the engine holds no usable weights (it refuses to serve)."""
+        if not getattr(self, "_rlhf_discard", False):
+            return 0
+        self._rlhf_discard = False
+        if in_place or self._rlhf_direct is None:  # vLLM's reload reads layers it does not fully overwrite
+            return 0
+        from rlhf.host_memory import release_pages
+
+        return release_pages(self._rlhf_direct.targets())
 
     def rlhf_sync(self, payload: bytes, same_device: list, fault_rank: int = -1, wait_s: float | None = None) -> dict:
         """`rlhf_receive`, then, if this worker's part arrived intact, `rlhf_install`, in one call: for an
@@ -367,9 +393,12 @@ class WeightUpdateExtension:
         moved = self._rlhf_follow_placement(sync)
         if self._rlhf_staging is None:
             return {"tensors": 0, "seconds": 0.0, "layers_replaced": moved, "path": "in place"}
+        from rlhf.host_memory import release_pages
+
         direct = self._rlhf_direct is not None
         try:
-            n = self._rlhf_direct(self._rlhf_staging) if direct else self._rlhf_reload_staged(spec, mine)
+            n = (self._rlhf_direct(self._rlhf_staging, copied=release_pages) if direct
+                 else self._rlhf_reload_staged(spec, mine))
         finally:  # installed or not, the staged copy is not needed until the next receive: its memory goes back
             self._rlhf_staging.release()
         return {"tensors": n, "seconds": time.perf_counter() - t0, "layers_replaced": moved,

@@ -7,14 +7,16 @@ Builds the policy first (random weights of the config's model shape and a tokeni
 vocabulary, with the tiny task's prompt files; our own code, once per shape under `model.path`), then
 runs `rlhf.driver.train` with `--warmup` + `--steps` steps and a sampler of the whole process tree's
 memory. The last line is one JSON object: `tokens_per_second` (generated tokens over the measured
-steps' seconds), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib`
-(resident memory of the whole tree, above what the machine used before the run) and per role.
+steps' seconds), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib` (the
+machine's use above what it used before the run, free pages in the kernel's per-CPU lists not counted;
+`peak_memory_gib_psutil` counts them, as `free` does) and per role (resident memory by process title).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -44,9 +46,24 @@ def build_policy(cfg) -> Path:
     return d
 
 
+def cpu_list_free_bytes(zoneinfo: str = "/proc/zoneinfo") -> int:
+    """Free pages the kernel holds in its per-CPU lists (`count:` of every pageset in /proc/zoneinfo). MemFree
+    leaves them out, so `free` and psutil count them as used; after a burst of frees (a sync's staging pages, a
+    sleeping engine's weights) this kernel's lists grow to gigabytes (their `high_max` adds up to 3 GiB here) and
+    drain back over seconds. 0 where the file cannot be read."""
+    try:
+        with open(zoneinfo) as f:
+            counts = [line.split()[1] for line in f if line.lstrip().startswith("count:")]
+    except OSError:
+        return 0
+    return sum(int(c) for c in counts) * os.sysconf("SC_PAGE_SIZE")
+
+
 class MemorySampler:
     """Resident memory of this process and all its descendants (Ray workers, vLLM processes), sampled
-    every `period` seconds; the peak, and each role's peak by process title (`ray::TrainerWorker`, ...)."""
+    every `period` seconds; the peak, and each role's peak by process title (`ray::TrainerWorker`, ...). The
+    machine's use is psutil's `used` less the free pages in the kernel's per-CPU lists (`cpu_list_free_bytes`);
+    the peak of psutil's own figure is kept too (`peak_used_raw`)."""
 
     ROLES = {"TrainerWorker": "trainer", "PolicyWorker": "reference", "VLLMEngine": "rollout", "VLLM": "rollout",
              "RewardWorker": "reward", "RuleRewardWorker": "reward"}
@@ -55,8 +72,9 @@ class MemorySampler:
         import psutil
 
         self.psutil, self.period, self.timeline = psutil, period, timeline
-        self.idle = psutil.virtual_memory().used
-        self.peak_used, self.peak_tree, self.peak_roles = 0, 0, {}
+        self.idle = psutil.virtual_memory().used - cpu_list_free_bytes()
+        self.idle_raw = psutil.virtual_memory().used
+        self.peak_used, self.peak_used_raw, self.peak_tree, self.peak_roles = 0, 0, 0, {}
         self.roles_at_peak: dict[str, int] = {}  # each role's memory when the machine's use peaked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -95,8 +113,10 @@ class MemorySampler:
             tree += rss
             role = next((r for key, r in self.ROLES.items() if key in title), "other")
             roles[role] = roles.get(role, 0) + rss
-        used = self.psutil.virtual_memory().used
-        self.peak_tree = max(self.peak_tree, tree)
+        raw = self.psutil.virtual_memory().used
+        lists = cpu_list_free_bytes()
+        used = raw - lists
+        self.peak_tree, self.peak_used_raw = max(self.peak_tree, tree), max(self.peak_used_raw, raw)
         if used > self.peak_used:
             self.peak_used, self.roles_at_peak = used, roles
         for role, b in roles.items():
@@ -104,6 +124,7 @@ class MemorySampler:
         if out:
             gib = 1 << 30
             out.write(json.dumps({"t": round(time.time() - t0, 1), "used_gib": round((used - self.idle) / gib, 3),
+                                  "cpu_lists_gib": round(lists / gib, 3),
                                   **{r: round(b / gib, 3) for r, b in sorted(roles.items())}}) + "\n")
             out.flush()
 
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
            "phase_seconds": {k: round(v, 3) for k, v in sorted(phases.items())},
            "sync_bytes_per_step": result["sync_bytes_per_step"], "sync_share": result["sync_share"],
            "peak_memory_gib": round((mem.peak_used - mem.idle) / gib, 2),
+           "peak_memory_gib_psutil": round((mem.peak_used_raw - mem.idle_raw) / gib, 2),
            "peak_tree_rss_gib": round(mem.peak_tree / gib, 2),
            "peak_memory_gib_per_role": {r: round(b / gib, 2) for r, b in sorted(mem.peak_roles.items())},
            "roles_at_peak_gib": {r: round(b / gib, 2) for r, b in sorted(mem.roles_at_peak.items())},

@@ -254,7 +254,8 @@ class Run(Recovery, ExpertBalancing):
     def switch(self, engine_method: str, trainer_method: str) -> None:
         """Co-location: engines sleep / wake, trainer and reference onload / offload."""
         roles = self.roles
-        roles.all(roles.engines, engine_method)
+        level = {"level": self.cfg.rollout.sleep_level} if engine_method == "sleep" else {}
+        roles.all(roles.engines, engine_method, **level)
         moved = roles.all(roles.trainer, trainer_method)
         self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep"
         if trainer_method == "offload" and roles.reference:
@@ -323,7 +324,7 @@ class Run(Recovery, ExpertBalancing):
 
     def can_post_sync(self, step: int) -> bool:
         """Whether this step's sync may go out with its update (`Roles.submit_sync`): the engines can receive while
-        the trainer updates (awake, or asleep in name only: vLLM has no sleep mode on cpu), and no expert
+        the trainer updates (awake, or asleep on cpu, where it receives into staging buffers), and no expert
         migration comes between the two (it changes what is sent)."""
         b = self.cfg.trainer.expert_balance
         asleep = self.engines_asleep and self.cfg.placement.device_type is not DeviceType.cpu

@@ -62,11 +62,15 @@ class ShardedAdamW:
     def step(self) -> None:
         """This rank's slice of every bucket steps; one all-gather per bucket puts the slices back into every
         replica's parameters. Gradients and parameters are read and written slice by slice: no flat copy of a
-        whole bucket (about 1 GB per rank of the small model when it was cat + clone + cat each step)."""
+        whole bucket (about 1 GB per rank of the small model when it was cat + clone + cat each step), and where
+        a bucket's gradients lie back to back in memory (the trainer's gradient buffer on cpu) the slice is a view
+        of them, no copy at all (0.28 GB per rank of the small model)."""
         for b in self.buckets:
-            g = torch.empty_like(b.master)
-            for p, at, to, n in _segments(b.params, b.lo, b.hi):
-                g[to:to + n] = p.grad.reshape(-1)[at:at + n]
+            g = _flat_view([p.grad for p in b.params], b.lo, b.hi)
+            if g is None or g.dtype != b.master.dtype:
+                g = torch.empty_like(b.master)
+                for p, at, to, n in _segments(b.params, b.lo, b.hi):
+                    g[to:to + n] = p.grad.reshape(-1)[at:at + n]
             b.master.grad = g
         self.opt.step()
         with torch.no_grad():
@@ -177,6 +181,21 @@ def _segments(params, lo: int, hi: int):
         if a < z:
             yield p, a - offset, a - lo, z - a
         offset += n
+
+
+def _flat_view(tensors, lo: int, hi: int) -> torch.Tensor | None:
+    """The flat range [lo, hi) of the tensors laid end to end, as one view, where they lie back to back in one
+    storage, each contiguous; else None."""
+    if not tensors or any(t is None or not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    storage, item = tensors[0].untyped_storage(), tensors[0].element_size()
+    end = tensors[0].data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += t.numel() * item
+    first = (tensors[0].data_ptr() - storage.data_ptr()) // item
+    return tensors[0].new_empty(0).set_(storage, first + lo, (hi - lo,), (1,))
 
 
 def _write(params, lo: int, values: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlhf.batch import MicroBatch
+from rlhf.host_memory import trim_heap
 from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
@@ -28,6 +29,7 @@ from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.model.sharding import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, all_reduce_bucketed, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
+from rlhf.parallel.grads import Gradients
 from rlhf.parallel.migrate import move_experts
 from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
@@ -103,7 +105,8 @@ class ParallelTrainer:
         self.optimizer = ShardedAdamW(self._optimizer_buckets(), lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas),
                                       eps=trainer_cfg.adam_eps, weight_decay=trainer_cfg.weight_decay)
         self.pipeline = PipelineRunner(self.model, self.groups, self.stages, self._compute) if layout.pp > 1 else None
-        self._offloaded: dict | None = None
+        self._offloaded: list | None = None
+        self.grads = Gradients(self.trained, self.device)
         self._old_routes: dict[int, torch.Tensor] = {}  # R2: batch row -> this stage's routes [T, L, k]
         # per micro-batch of the last measured forward: (batch rows, MoE layers that chose another expert set
         # than the engine, per token [B, T], summed over the pipeline stages)
@@ -224,21 +227,16 @@ class ParallelTrainer:
     # --- training ---
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float = 1.0,
                    first: bool = False) -> dict:
-        """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step. Logprobs are
-        those of softmax(logits / temperature), the distribution the rollout sampled from. `first`: this is
-        the step's first forward (on-policy updates have no separate old-logprob forward), where the routes
-        are measured against the engine's."""
+        """Accumulate gradients over the micro-batches, sync, clip, and take one AdamW step. Logprobs are those
+        of softmax(logits / temperature), the distribution the rollout sampled from. `first`: the step's first
+        forward (on-policy updates have no separate old-logprob forward), where routes are measured."""
         self._check_onloaded()
         self.model.train()
         score = self._score(temperature)
         micro_batches = self._routed(micro_batches, first)
         for block in self._moe_blocks():
             block.step_tokens_per_expert = None
-        for p in self.trained.values():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+        self.grads.zero(self.optimizer.buckets)
         with self._bounded("forward and backward (expert all-to-all, tensor-parallel and pipeline exchanges)"):
             if self.pipeline is not None:
                 losses = self.pipeline.train(micro_batches, loss_fn, score)
@@ -277,9 +275,8 @@ class ParallelTrainer:
         return t.lr * (t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def _optimizer_buckets(self) -> dict:
-        """Parameters grouped by the ranks holding identical copies of them (their gradient group):
-        each group shares one AdamW state, split over its ranks (ZeRO-1). Row shards (zero_stage=3)
-        form one bucket this rank steps alone."""
+        """Parameters grouped by the ranks holding identical copies of them (their gradient group): each group
+        shares one AdamW state, split over its ranks (ZeRO-1). Row shards (zero_stage=3): one bucket, this rank's."""
         buckets: dict[str, tuple] = {}
         for name, p in self.trained.items():
             if name in self.row_shards:  # zero_stage=3: the row shard is this rank's alone to update
@@ -309,8 +306,7 @@ class ParallelTrainer:
             all_reduce_bucketed(grads, group)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over all shards (each replica counted once); clip like
-        torch.nn.utils.clip_grad_norm_."""
+        """Global gradient norm over all shards (each replica counted once); clip like clip_grad_norm_."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.trained.items():
             copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
@@ -334,39 +330,35 @@ class ParallelTrainer:
 
     # --- co-location ---
     def offload(self) -> int:
-        """Move parameters, gradients and optimizer state (its parameter slices and moments) to host
-        memory, leaving the modules and the optimizer without storage; tensor objects stay the same, so
-        references held elsewhere remain valid. Returns the bytes moved."""
+        """Move parameters and optimizer state (its parameter slices and moments) to host memory, leaving the
+        modules and the optimizer without storage; tensor objects stay the same, so references held elsewhere
+        remain valid. Gradients are not kept (`release_grads`). Returns the bytes moved."""
         if self._offloaded is not None:
             return 0
+        self.release_grads()
+        if self.device.type == "cpu":
+            trim_heap()
         stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        grads: dict[str, torch.Tensor] = {}
-        for name, p in self.params.items():
-            if p.grad is not None:
-                grads[name] = p.grad.to("cpu", copy=True) if p.device.type != "cpu" else p.grad
-                p.grad = None
         for t in list(self.params.values()) + self.optimizer.owned_tensors():
             host = t.data.to("cpu", copy=True) if t.device.type != "cpu" else t.data
             stash.append((t, host))
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._offloaded = (stash, grads)
-        return sum(h.numel() * h.element_size() for _, h in stash) + sum(
-            g.numel() * g.element_size() for g in grads.values())
+        self._offloaded = stash
+        return sum(h.numel() * h.element_size() for _, h in stash)
+
+    def release_grads(self) -> None:
+        """Between steps nothing reads the gradients, and a step starts from zeros (`rlhf.parallel.grads`)."""
+        self.grads.release()
 
     def onload(self, device: str | torch.device | None = None) -> int:
-        """Restore what `offload` moved, bit-exactly, onto `device` (this rank's own by default). Returns the
-        bytes restored."""
+        """Restore what `offload` moved, bit-exactly, onto `device` (this rank's own by default); returns its bytes."""
         if self._offloaded is None:
             return 0
         device = self.device if device is None else device
-        stash, grads = self._offloaded
         nbytes = 0
-        for t, host in stash:
+        for t, host in self._offloaded:
             t.data = host.to(device)
             nbytes += host.numel() * host.element_size()
-        for name, g in grads.items():
-            self.params[name].grad = g.to(device)
-            nbytes += g.numel() * g.element_size()
         self._offloaded = None
         return nbytes
 

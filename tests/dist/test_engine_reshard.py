@@ -63,7 +63,7 @@ def _placed(sync):
                                                                sync.engines.ep) for l in range(moe)))
 
 
-def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
+def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml, sleep=0):
     cfg = load_model_config(yaml)
     W = trainer.world_size
     sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
@@ -95,13 +95,27 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
     try:
         ranks = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
         seqs = _seqs(cfg)
-        out = {"ranks": ranks, "logp": [], "replies": [], "rejected": []}
+        out = {"ranks": ranks, "logp": [], "replies": [], "rejected": [], "slept": [], "refused": []}
         for i, (seed, fault) in enumerate(SYNCS):
+            if sleep:  # as co-located engines do while the trainer updates: the sync arrives while asleep
+                out["slept"].append(engine.sleep(sleep))
             try:
                 out["replies"].append(engine.receive_weights(sync, version=i + 1, inject_fault=fault == "flip"))
             except WeightUpdateRejected as e:
                 out["rejected"].append(str(e))
-            out["logp"].append(torch.tensor(engine.sequence_logprobs(seqs.tolist())))
+            if sleep:
+                engine.wake_up()
+            try:
+                out["logp"].append(torch.tensor(engine.sequence_logprobs(seqs.tolist())))
+            except RuntimeError as e:  # weights released for a sync that was rejected: nothing to serve
+                out["refused"].append(str(e))
+                out["logp"].append(None)
+        if sleep:  # a sleep that no sync ends keeps the weights, and the generation after it is unchanged
+            out["generated"] = engine.generate(PROMPTS, n=2, seed=0, max_tokens=6)
+            out["slept"].append(engine.sleep(sleep))
+            engine.wake_up()
+            out["kept"] = (torch.tensor(engine.sequence_logprobs(seqs.tolist())),
+                           engine.generate(PROMPTS, n=2, seed=0, max_tokens=6))
         out["version"] = engine.weight_version
         if engines.ep > 1:
             out["generated"] = engine.generate(PROMPTS, n=2, seed=0, max_tokens=6)
@@ -118,21 +132,24 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml):
     return out
 
 
-@pytest.mark.parametrize("trainer,engines,fresh,yaml", [
-    (Layout(tp=2), InferenceLayout(tp=2), False, TINY),  # TP 2 against a fresh engine: the MLA case
-    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, TINY),
-    (Layout(tp=2), InferenceLayout(tp=1), True, TINY),
-    (Layout(tp=2), InferenceLayout(tp=2), True, PANGU),
-    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, PANGU),
-], ids=["tp2-to-tp2", "dp2ep2-to-tp2ep2", "tp2-to-tp1", "mla-tp2-to-tp2", "mla-dp2ep2-to-tp2ep2"])
-def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, engines, fresh, yaml):
+@pytest.mark.parametrize("trainer,engines,fresh,yaml,sleep", [
+    (Layout(tp=2), InferenceLayout(tp=2), False, TINY, 0),  # TP 2 against a fresh engine: the MLA case
+    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, TINY, 0),
+    (Layout(tp=2), InferenceLayout(tp=1), True, TINY, 0),
+    (Layout(tp=2), InferenceLayout(tp=2), True, PANGU, 0),
+    (Layout(dp=2, ep=2), InferenceLayout(tp=2, ep=2), False, PANGU, 0),
+    (Layout(tp=2), InferenceLayout(tp=2), True, PANGU, 2),  # asleep at level 2 (weights released) at every sync
+], ids=["tp2-to-tp2", "dp2ep2-to-tp2ep2", "tp2-to-tp1", "mla-tp2-to-tp2", "mla-dp2ep2-to-tp2ep2",
+        "mla-tp2-to-tp2-asleep"])
+def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, engines, fresh, yaml, sleep):
     for d, seed in ((tmp_path / "start", 1), (tmp_path / "fresh", SEEDS[0])):
         m = _model(seed, yaml)
         save_tokenizer(build_tokenizer(m.config.vocab_size), d)
         save_pretrained(m, d)
     W = trainer.world_size
     results = run_ranks(worker, W + 1, str(tmp_path / "start"), trainer, engines, free_port(),
-                        str(tmp_path / "fresh") if fresh else None, yaml, timeout_s=900, collective_timeout_s=600)
+                        str(tmp_path / "fresh") if fresh else None, yaml, sleep, timeout_s=900,
+                        collective_timeout_s=600)
     engine = results[W]
     cfg = load_model_config(yaml)
     sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size))
@@ -182,10 +199,19 @@ def test_every_engine_worker_receives_its_own_slices_exactly(tmp_path, trainer, 
         assert (lp_a - engine["fresh"]).abs().max() <= 1e-6
 
     # the corrupted sync was caught on the last worker, the NaN where it arrived; neither was served: the
-    # previous version answers
+    # previous version answers, or, where the engine slept at level 2 (its weights released for the sync), nothing
     flipped, nan = engine["rejected"]
     assert "rejected on transfer rank" in flipped and f"rank {engine['ranks'][-1]}" in flipped
     assert "holds non-finite values" in nan
-    assert all("still serving version 1" in r for r in engine["rejected"])
-    assert torch.equal(lp_flipped, lp_a) and torch.equal(lp_nan, lp_a)
     assert engine["version"] == len(SYNCS) and [r.version for r in engine["replies"]] == [1, 4, 5]
+    if not sleep:
+        assert all("still serving version 1" in r for r in engine["rejected"])
+        assert torch.equal(lp_flipped, lp_a) and torch.equal(lp_nan, lp_a)
+        return
+    assert not any("still serving" in r for r in engine["rejected"])
+    assert lp_flipped is None and lp_nan is None and len(engine["refused"]) == 2
+    assert all("refuses to generate" in r for r in engine["refused"])
+    # each sleep handed the KV cache's pages back at once (the weights' go when the sync starts to arrive)
+    assert all(s["slept"] and s["bytes_released"] > 0 for s in engine["slept"])
+    kept_logp, kept_generated = engine["kept"]
+    assert torch.equal(kept_logp, lp_a_again) and kept_generated == engine["generated"]

@@ -8,6 +8,7 @@ from rlhf.schema import Architecture, Attention, DType, MLAConfig, ModelConfig, 
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.parallel.launch import run_ranks
+from rlhf.parallel.optim import _flat_view
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
 from rlhf.layout import Layout
@@ -108,12 +109,17 @@ def worker(rank, layout, model_dir, kw):
         if step == 0:
             res["norm"] = stats["grad_norm"]
             res["grads"] = {n: p.grad.clone() for n, p in tr.trained.items()}
+            # cpu: each optimizer bucket's gradient slice is a view of the gradient buffer, not a copy
+            res["grad_views"] = [_flat_view([p.grad for p in b.params], b.lo, b.hi) is not None
+                                 for b in tr.optimizer.buckets]
     res["loads"] = tr.router_stats().clone()
     res["moe_layers"] = [i - tr.cfg.first_k_dense_layers for i in tr.stages[tr.stage] if i >= tr.cfg.first_k_dense_layers]
     before = {n: p.detach().clone() for n, p in tr.params.items()}
     state_before = [t.clone() for t in tr.optimizer.owned_tensors()]
     freed = tr.offload()
     res["empty_after_offload"] = all(t.numel() == 0 for t in list(tr.params.values()) + tr.optimizer.owned_tensors())
+    # gradients are not kept: on cpu their pages went back and read as zeros, what the next step starts from
+    res["grads_after_offload"] = [None if p.grad is None else bool(p.grad.any()) for p in tr.trained.values()]
     restored = tr.onload()
     res["offload_bytes"] = (freed, restored)
     res["offload_exact"] = all(torch.equal(before[n], p) for n, p in tr.params.items()) and all(
@@ -158,6 +164,9 @@ def check_against_reference(results, layout, ref, tol=TOL, rtol=0.0):
                 err = (got - want).abs().max().item()
                 assert err <= tol + rtol * want.abs().max().item(), (rank, what, p.param, err)
         assert res["offload_exact"] and res["empty_after_offload"]
+        assert res["grads_after_offload"] and not any(res["grads_after_offload"])
+        assert res["grad_views"] and all(res["grad_views"])
+        assert None not in res["grads_after_offload"]  # cpu: still the same (released) views
         assert res["offload_bytes"][0] == res["offload_bytes"][1] > 0
     # the exported shards, put back together by their own spec, give the full state dict exactly
     full = {n: torch.full_like(t, float("nan")) for n, t in ref["params"].items()}

@@ -1,0 +1,93 @@
+"""Host memory handed back to the operating system between the phases that need it.
+
+Freed host tensors rarely leave a process: glibc keeps their pages for its next allocations, so a role's
+resident memory stays at its peak through the phases where another co-located role peaks. Two tools here:
+
+- `AnonymousBuffers`: named tensors in one private anonymous mapping; `release()` drops its pages
+  (`madvise(MADV_DONTNEED)`) and the next write faults in fresh zero pages. After a release they read as zeros,
+  exactly as freshly allocated buffers do, and the tensor objects stay the same (views made earlier stay valid).
+  An engine worker on cpu receives a sync into such staging buffers (vLLM serves from processed copies of its
+  weights, so a sync cannot write into them) and releases them after each install, and at once when its own
+  receive is rejected (a worker whose peer worker rejected keeps its pages until its next install): otherwise
+  they were a second copy of the engine's weights held through the trainer's update (0.56 GB per engine of the
+  140 M-parameter small model in fp32). The trainer keeps its gradients in one on cpu, released when it
+  offloads (between steps nothing reads them, and the next step starts from zeros).
+- `release_pages`: the same for memory torch allocated: an engine asleep on cpu (`VLLMEngine.sleep`) hands
+  back its KV cache, and at level 2 its weights once the sync that overwrites them starts to arrive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+from typing import Iterable, Mapping
+
+import torch
+
+_ALIGN = 64  # bytes: every buffer starts on a cache line
+
+
+class AnonymousBuffers(dict):
+    """name -> tensor of the given shape and dtype, all in one anonymous mapping, zeros at first, in the given
+    order, each starting on a cache line (`packed`: right after the one before it, no gap between them)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, packed: bool = False):
+        item = torch.empty((), dtype=dtype).element_size()
+        align = item if packed else _ALIGN
+        sizes = {name: math.prod(shape) * item for name, shape in shapes.items()}
+        starts, total = {}, 0
+        for name, n in sizes.items():
+            starts[name], total = total, total + -(-n // align) * align
+        # private: MADV_DONTNEED frees the pages (a shared mapping would keep them in shmem, and its contents)
+        self._map = mmap.mmap(-1, max(total, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        super().__init__({name: raw[starts[name]:starts[name] + sizes[name]].view(dtype).view(shape)
+                          for name, shape in shapes.items()})
+
+    def release(self) -> None:
+        """Give the pages back: resident memory drops by the buffers' size; they read as zeros afterwards."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def release_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Give back the pages lying wholly inside each cpu tensor's memory (`madvise(MADV_DONTNEED)`); returns their
+    bytes. Private anonymous memory, which torch's cpu allocator and `AnonymousBuffers` hand out, reads as zeros
+    afterwards and is faulted in again by the next write: only for tensors whose every element is written before
+    it is read again (a KV cache between generations, weights a sync overwrites, staged buffers once installed).
+    A tensor's memory is its own bytes when it is contiguous (a view into a larger buffer releases only its part),
+    or its whole storage when it spans all of it in another order (vLLM's permuted KV cache views); any other
+    strided view is refused. The partial pages at either end keep their contents; a range is released once."""
+    seen, total, page = set(), 0, mmap.PAGESIZE
+    for t in tensors:
+        if t is None or t.device.type != "cpu":
+            continue
+        nbytes, storage = t.numel() * t.element_size(), t.untyped_storage()
+        if t.is_contiguous():
+            start = t.data_ptr()
+        elif nbytes == storage.nbytes():
+            start = storage.data_ptr()
+        else:
+            raise ValueError(f"release_pages: a strided view ({tuple(t.shape)}, strides {t.stride()}) of part of "
+                             "its storage; its pages hold other tensors' elements")
+        lo, hi = -(-start // page) * page, (start + nbytes) // page * page
+        if (lo, hi) in seen or hi <= lo:
+            continue
+        seen.add((lo, hi))
+        if _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_DONTNEED) of {hi - lo} bytes: {os.strerror(err)}")
+        total += hi - lo
+    return total
+
+
+def trim_heap() -> bool:
+    """glibc's `malloc_trim(0)`: the free pages its heaps keep for later allocations go back to the system. False
+    where the C library has none (not glibc)."""
+    trim = getattr(_libc, "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False

@@ -1,0 +1,81 @@
+"""Host memory handed back between phases (rlhf/host_memory.py): anonymous buffers and released pages."""
+
+import os
+
+import pytest
+import torch
+
+from rlhf.host_memory import AnonymousBuffers, release_pages
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_buffers_are_zeros_of_their_shapes_and_do_not_overlap():
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2, 2)}
+    bufs = AnonymousBuffers(shapes, torch.float32)
+    assert {n: tuple(t.shape) for n, t in bufs.items()} == shapes
+    assert all(t.dtype == torch.float32 and not t.any() for t in bufs.values())
+    for i, t in enumerate(bufs.values()):
+        t.fill_(i + 1)
+    assert [set(t.unique().tolist()) for t in bufs.values()] == [{1.0}, {2.0}, {3.0}]
+    assert all(t.data_ptr() % 64 == 0 for t in bufs.values())
+
+
+def test_release_gives_memory_back_and_reads_as_zeros_in_the_same_tensors():
+    n = 16 << 20  # 64 MiB of float32
+    bufs = AnonymousBuffers({"w": (n,), "padding": (4, 1024)}, torch.float32)
+    w, views = bufs["w"], bufs["w"][::1024]
+    before = _rss()
+    w.fill_(2.5)
+    bufs["padding"].fill_(1.0)
+    touched = _rss()
+    assert touched - before > 60 << 20
+    bufs.release()
+    assert touched - _rss() > 60 << 20  # the pages went back
+    assert bufs["w"] is w and not w.any() and not bufs["padding"].any()  # same tensors, zeros again
+    w[:2048].copy_(torch.arange(2048, dtype=torch.float32))  # a view made before sees the next sync's writes
+    assert views[:3].tolist() == [0.0, 1024.0, 0.0]
+
+
+def test_packed_buffers_lie_back_to_back():
+    bufs = AnonymousBuffers({"a": (3,), "b": (5, 1), "c": (2,)}, torch.float32, packed=True)
+    assert [t.data_ptr() - bufs["a"].data_ptr() for t in bufs.values()] == [0, 12, 32]
+
+
+def test_bfloat16_and_empty():
+    bufs = AnonymousBuffers({"x": (3, 3)}, torch.bfloat16)
+    assert bufs["x"].dtype == torch.bfloat16 and not bufs["x"].any()
+    empty = AnonymousBuffers({}, torch.float32)
+    assert dict(empty) == {}
+    empty.release()
+
+
+def test_release_pages_of_torch_tensors():
+    n = 16 << 20  # 64 MiB of float32 from torch's own allocator
+    t, small = torch.full((n,), 3.0), torch.full((100,), 7.0)
+    touched = _rss()
+    released = release_pages([t, t.view(4, -1).t(), small, None])  # a permuted view of all of t: released once
+    assert touched - _rss() > 60 << 20 and n * 4 - 2 * 4096 <= released <= n * 4
+    page_floats = 4096 // 4
+    # the pages wholly inside the storage read as zeros; the partial pages at its ends keep their values
+    assert not t[page_floats:-page_floats].any()
+    assert t[:1].item() in (0.0, 3.0) and t[-1:].item() in (0.0, 3.0)
+    assert small.eq(7.0).all()  # within one page: nothing released
+    t.fill_(1.5)  # written again: faulted in, the values are kept
+    assert t.eq(1.5).all() and _rss() - touched > -(8 << 20)
+    assert release_pages([]) == 0
+
+
+def test_release_pages_of_part_of_a_buffer_keeps_the_rest():
+    bufs = AnonymousBuffers({"a": (3000,), "b": (5000,), "c": (3000,)}, torch.float32)
+    for i, t in enumerate(bufs.values()):
+        t.fill_(i + 1)
+    released = release_pages([bufs["b"]])  # 20,000 bytes: the pages wholly inside b
+    assert released >= 20000 - 2 * 4096 and released % 4096 == 0
+    assert bufs["a"].eq(1).all() and bufs["c"].eq(3).all()  # its neighbours, edge pages shared with b included
+    assert bufs["b"].eq(0).any() and set(bufs["b"].unique().tolist()) <= {0.0, 2.0}
+    with pytest.raises(ValueError, match="strided view"):
+        release_pages([torch.zeros(64, 64)[:, :8]])
