@@ -8,7 +8,7 @@ from rlhf.schema import Architecture, Attention, DType, MLAConfig, ModelConfig, 
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.parallel.launch import run_ranks
-from rlhf.parallel.optim import _flat_view
+from rlhf.parallel.optim import _flat_view, _views_of
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
 from rlhf.layout import Layout
@@ -122,6 +122,8 @@ def worker(rank, layout, model_dir, kw):
     res["grads_after_offload"] = [None if p.grad is None else bool(p.grad.any()) for p in tr.trained.values()]
     restored = tr.onload()
     res["offload_bytes"] = (freed, restored)
+    # a bucket this rank steps alone: its parameters are views of the optimizer's master, through steps and offload
+    res["master_views"] = [_views_of(b.params, b.master) for b in tr.optimizer.buckets if b.size == 1]
     res["offload_exact"] = all(torch.equal(before[n], p) for n, p in tr.params.items()) and all(
         torch.equal(a, b) for a, b in zip(state_before, tr.optimizer.owned_tensors()))
     res["optimizer_state_bytes"] = tr.optimizer.state_bytes()
@@ -166,6 +168,7 @@ def check_against_reference(results, layout, ref, tol=TOL, rtol=0.0):
         assert res["offload_exact"] and res["empty_after_offload"]
         assert res["grads_after_offload"] and not any(res["grads_after_offload"])
         assert res["grad_views"] and all(res["grad_views"])
+        assert all(res["master_views"])
         assert None not in res["grads_after_offload"]  # cpu: still the same (released) views
         assert res["offload_bytes"][0] == res["offload_bytes"][1] > 0
     # the exported shards, put back together by their own spec, give the full state dict exactly
