@@ -86,8 +86,25 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def trim_heap() -> bool:
-    """glibc's `malloc_trim(0)`: the free pages its heaps keep for later allocations go back to the system. False
-    where the C library has none (not glibc)."""
-    trim = getattr(_libc, "malloc_trim", None)
-    return bool(trim(0)) if trim is not None else False
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes glibc's heaps hold free for later allocations (`mallinfo2().fordblks`, every arena); None where the
+    C library has no mallinfo2 (not glibc, or older than 2.33)."""
+    info = getattr(_libc, "mallinfo2", None)
+    if info is None:
+        return None
+    info.restype = _Mallinfo2
+    return int(info().fordblks)
+
+
+def trim_heap(at_least: int = 64 << 20) -> bool:
+    """glibc's `malloc_trim(0)` when its heaps hold at least `at_least` bytes free: those pages go back to the
+    system (the next allocations fault them in again, so a small heap is left alone). Whether it trimmed."""
+    trim, free = getattr(_libc, "malloc_trim", None), heap_free_bytes()
+    if trim is None or free is None or free < at_least:
+        return False
+    return bool(trim(0))

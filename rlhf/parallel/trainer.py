@@ -337,7 +337,7 @@ class ParallelTrainer:
             return 0
         self.release_grads()
         if self.device.type == "cpu":
-            trim_heap()
+            trim_heap()  # the update's freed activations, where glibc holds 64 MiB or more of them
         stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t in list(self.params.values()) + self.optimizer.owned_tensors():
             host = t.data.to("cpu", copy=True) if t.device.type != "cpu" else t.data

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rlhf.host_memory import AnonymousBuffers, release_pages
+from rlhf.host_memory import AnonymousBuffers, heap_free_bytes, release_pages, trim_heap
 
 
 def _rss() -> int:
@@ -79,3 +79,14 @@ def test_release_pages_of_part_of_a_buffer_keeps_the_rest():
     assert bufs["b"].eq(0).any() and set(bufs["b"].unique().tolist()) <= {0.0, 2.0}
     with pytest.raises(ValueError, match="strided view"):
         release_pages([torch.zeros(64, 64)[:, :8]])
+
+
+def test_trim_heap_gives_back_what_glibc_keeps_free_only_above_the_threshold():
+    keep = [torch.ones(1 << 14) for _ in range(8000)]  # 8,000 x 64 KiB: below any mmap threshold, from the heap
+    del keep[::2]  # half of them freed in the middle of the heap: glibc keeps those pages
+    free = heap_free_bytes()
+    assert free is not None and free >= 200 << 20
+    assert not trim_heap(at_least=free * 4)  # below the threshold: left alone
+    before = _rss()
+    assert trim_heap(at_least=1 << 20)
+    assert before - _rss() > 100 << 20 and heap_free_bytes() is not None
