@@ -1,7 +1,7 @@
 """Host memory handed back to the operating system between the phases that need it.
 
 Freed host tensors rarely leave a process: glibc keeps their pages for its next allocations, so a role's
-resident memory stays at its peak through the phases where another co-located role peaks. Two tools here:
+resident memory stays at its peak through the phases where another co-located role peaks. Three tools here:
 
 - `AnonymousBuffers`: named tensors in one private anonymous mapping; `release()` drops its pages
   (`madvise(MADV_DONTNEED)`) and the next write faults in fresh zero pages. After a release they read as zeros,
@@ -10,10 +10,12 @@ resident memory stays at its peak through the phases where another co-located ro
   weights, so a sync cannot write into them) and releases them after each install, and at once when its own
   receive is rejected (a worker whose peer worker rejected keeps its pages until its next install): otherwise
   they were a second copy of the engine's weights held through the trainer's update (0.56 GB per engine of the
-  140 M-parameter small model in fp32). The trainer keeps its gradients in one on cpu, released when it
-  offloads (between steps nothing reads them, and the next step starts from zeros).
+  140 M-parameter small model in fp32). The trainer keeps its gradients in one on cpu (`rlhf.parallel.grads`),
+  released after each update and when it offloads (between steps nothing reads them; a step starts from zeros).
 - `release_pages`: the same for memory torch allocated: an engine asleep on cpu (`VLLMEngine.sleep`) hands
-  back its KV cache, and at level 2 its weights once the sync that overwrites them starts to arrive.
+  back its KV cache, and at level 2 its weights once the sync that overwrites them starts to arrive; the
+  direct install hands back each layer's staged buffers as soon as it has copied them.
+- `trim_heap`: glibc's own free pages (the trainer's freed activations), handed back at its offload.
 """
 
 from __future__ import annotations
