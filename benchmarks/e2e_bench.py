@@ -72,8 +72,8 @@ class MemorySampler:
         import psutil
 
         self.psutil, self.period, self.timeline = psutil, period, timeline
-        self.idle = psutil.virtual_memory().used - cpu_list_free_bytes()
         self.idle_raw = psutil.virtual_memory().used
+        self.idle = self.idle_raw - cpu_list_free_bytes()
         self.peak_used, self.peak_used_raw, self.peak_tree, self.peak_roles = 0, 0, 0, {}
         self.roles_at_peak: dict[str, int] = {}  # each role's memory when the machine's use peaked
         self._stop = threading.Event()

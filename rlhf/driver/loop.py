@@ -5,8 +5,9 @@
 
 Co-located roles switch around the update: engines sleep and the trainer onloads before it; the
 trainer offloads and the engines wake after the sync (`rollout.sleep_level`; on cpu, where vLLM has no
-sleep mode, the engines hand back their pages themselves: docs/rollout.md). The driver moves references and small tensors; weights move trainer -> engine
-directly (`weight_sync`). With `stale_sync.max_staleness` > 0 the run goes to `async_loop` instead.
+sleep mode, the engines hand back their pages themselves: docs/rollout.md). The driver moves references
+and small tensors; weights move trainer -> engine directly (`weight_sync`). With `stale_sync.max_staleness`
+> 0 the run goes to `async_loop` instead.
 """
 
 from __future__ import annotations

@@ -43,7 +43,10 @@ class Gradients:
         self.released = False
 
     def release(self) -> None:
-        """Give the gradients' memory back until the next step: on cpu the buffers' pages, else the tensors."""
+        """Give the gradients' memory back until the next step: on cpu the buffers' pages, else the tensors. Once
+        per step: the update releases them, and an offload after it finds nothing left to do."""
+        if self.released:
+            return
         if self.buffers is None:
             for p in self.trained.values():
                 p.grad = None

@@ -108,7 +108,8 @@ def test_batch_must_divide_into_groups(tmp_path):
 
 def test_sharding_schedule_and_sampling_knobs_are_checked(tmp_path):
     msg = _error(tmp_path, "trainer:\n  zero_stage: 2\n  lr_decay_steps: -1\n  lr_min_ratio: 1.5\n"
-                           "rollout:\n  max_num_seqs: -4\n  sleep_level: 3\ndata:\n  prompts_per_step: 8\n  gen_prompts_per_step: 4\n"
+                           "rollout:\n  max_num_seqs: -4\n  sleep_level: 3\n"
+                           "data:\n  prompts_per_step: 8\n  gen_prompts_per_step: 4\n"
                            "algorithm:\n  dynamic_sampling: true\n")
     for key in ("trainer.zero_stage = 2", "trainer.lr_decay_steps = -1", "trainer.lr_min_ratio = 1.5",
                 "rollout.max_num_seqs = -4", "rollout.sleep_level = 3", "data.gen_prompts_per_step = 4"):
