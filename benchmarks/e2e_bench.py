@@ -7,7 +7,7 @@ Builds the policy first (random weights of the config's model shape and a tokeni
 vocabulary, with the tiny task's prompt files; our own code, once per shape under `model.path`), then
 runs `rlhf.driver.train` with `--warmup` + `--steps` steps and a sampler of the whole process tree's
 memory. The last line is one JSON object: `tokens_per_second` (generated tokens over the measured
-steps' seconds), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib` (the
+steps' seconds, the run's final held-out evaluation left out), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib` (the
 machine's use above what it used before the run, free pages in the kernel's per-CPU lists not counted;
 `peak_memory_gib_psutil` counts them, as `free` does) and per role (resident memory by process title).
 """
@@ -129,6 +129,19 @@ class MemorySampler:
             out.flush()
 
 
+def measured(steps: list[dict]) -> tuple[float, int, dict[str, float]]:
+    """(step seconds, generated tokens, mean seconds per phase) of the measured steps' records. A step's
+    seconds leave out its held-out evaluation (the run's last step ends with one), as `rlhf train`'s
+    tokens_per_second does: the benchmark measures the RL step."""
+    seconds = sum(s["time/step"] - s.get("time/evaluate", 0.0) for s in steps)
+    phases: dict[str, float] = {}
+    for s in steps:
+        for k, v in s.items():
+            if k.startswith("time/"):
+                phases[k[5:]] = phases.get(k[5:], 0.0) + v / len(steps)
+    return seconds, sum(s["rollout/generated_tokens"] for s in steps), phases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "small_cpu.yaml"))
@@ -155,13 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.time() - t0
     lines = (Path(cfg.output_dir) / "steps.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines][args.warmup:]  # this run's steps
-    seconds = sum(s["time/step"] for s in steps)
-    phases: dict[str, float] = {}
-    for s in steps:
-        for k, v in s.items():
-            if k.startswith("time/"):
-                phases[k[5:]] = phases.get(k[5:], 0.0) + v / len(steps)
-    tokens = sum(s["rollout/generated_tokens"] for s in steps)
+    seconds, tokens, phases = measured(steps)
     out = {"config": args.config, "overrides": args.overrides, "warmup": args.warmup, "steps": len(steps),
            "tokens_per_second": round(tokens / seconds, 1), "seconds_per_step": round(seconds / len(steps), 2),
            "generated_tokens_per_step": tokens / len(steps),
