@@ -217,8 +217,10 @@ class Roles:
         return call_all(sent[0], timeout_s or self.timeout_s, probe=True, submitted=sent[1])
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate",
-                 route_stages: Sequence[Sequence[int]] | None = None, **kwargs) -> list:
+                 route_stages: Sequence[Sequence[int]] | None = None, seeds: Sequence[int] | None = None,
+                 **kwargs) -> list:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
+        Prompt i is seeded `prompt_seed(seed, i)`, or `seeds[i]` where given.
 
         `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.routing.RouteRef`
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
@@ -235,7 +237,7 @@ class Roles:
         chunks = [list(range(i, len(prompts), k)) for i in range(k)]
 
         def call(e: int) -> tuple:  # seeds by the prompt's place in the whole call: not by the engine count
-            kw = dict(n=n, seed=[prompt_seed(seed, i) for i in chunks[e]], **kwargs)
+            kw = dict(n=n, seed=[seeds[i] if seeds else prompt_seed(seed, i) for i in chunks[e]], **kwargs)
             if route_stages is None:
                 return calls_made[e], "generate", ([prompts[i] for i in chunks[e]],), kw | dict(keep_routes=False)
             return (calls_made[e], "generate_routed", ([prompts[i] for i in chunks[e]], route_stages),
@@ -260,14 +262,28 @@ class Roles:
         merged = [replace(c, prompt_index=idx[c.prompt_index]) for idx, out in zip(chunks, outs) for c in out]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples of a prompt keep their order
 
-    def score(self, responses: Sequence[str], answers: Sequence[str],
-              prompts: Sequence[str] | None = None) -> tuple[list[float], list[ScoreReply]]:
-        """Scores split evenly over the reward workers (a reward model reads prompt + response)."""
+    def stream(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate"):
+        """`generate`, streamed: a `GroupStream` handing back each prompt's group as its engine finishes it."""
+        from actors.group_stream import GroupStream
+
+        return GroupStream(self, prompts, n, seed, phase)
+
+    def submit_score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str]) -> tuple:
+        """Scores of the responses, split evenly over the reward workers (a reward model reads prompt + response):
+        the calls sent, their replies read by `wait_score`."""
         k = len(self.rewards)
         bounds = [len(responses) * i // k for i in range(k + 1)]
-        outs = call_all([(w, "score", (responses[a:b], answers[a:b]), {"prompts": None if prompts is None else prompts[a:b]})
-                         for w, a, b in zip(self.rewards, bounds, bounds[1:])], self.timeout_s)
-        return [s for o in outs for s in o.scores], outs
+        calls = [(w, "score", (responses[a:b], answers[a:b]), {"prompts": prompts[a:b]})
+                 for w, a, b in zip(self.rewards, bounds, bounds[1:]) if b > a]
+        return calls, [h.submit(m, *a, **kw) for h, m, a, kw in calls]
+
+    def wait_score(self, sent: tuple) -> list[ScoreReply]:
+        return self.wait(sent)
+
+    def score_ready(self, sent: tuple) -> bool:
+        import ray
+
+        return len(ray.wait(sent[1], num_returns=len(sent[1]), timeout=0)[0]) == len(sent[1])
 
     def logprobs(self, group: Sequence[RoleHandle], batch_ref, per_rank: Sequence[dict] | None = None) -> tuple:
         """(logp [B, T-1], entropy [B, T-1], per-rank replies) of a policy group over the whole batch."""

@@ -4,7 +4,6 @@ cuda, `vllm-ascend` on npu; all expose `vllm.LLM`, imported lazily in `__init__`
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
@@ -16,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm_platform import SHUTDOWN_GRACE_S, ipc_dir, prepare_platform, remove_leftover_shm
+from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
+from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
@@ -23,12 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-_REQUESTS = itertools.count()  # request ids of stepwise generations
-
-
-def _sampled_logprobs(c) -> tuple[float, ...]:
-    """The logprob of each sampled token from a vLLM CompletionOutput (asked with logprobs=0)."""
-    return tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
 
 
 class WeightUpdateRejected(ValueError):
@@ -395,26 +390,9 @@ class VLLMEngine:
         for the call from which each prompt's own is derived (`prompt_seed`); sample k of a prompt seeded s
         draws from s + k; None: unseeded. `keep_routes=False`: with capture_routes, the call's routes are
         dropped (an evaluation's: nothing trains on them)."""
-        from vllm import SamplingParams
-
-        if seed is None or isinstance(seed, int):
-            seeds = [None if seed is None else prompt_seed(seed, i) for i in range(len(prompts))]
-        elif len(seed) != len(prompts):
-            raise ValueError(f"generate: {len(seed)} seeds for {len(prompts)} prompts; give one per prompt or one int")
-        else:
-            seeds = list(seed)
         with self._generating_call():
             self._check_serving()
-            params = [SamplingParams(
-                n=n,
-                temperature=self.cfg.temperature if temperature is None else temperature,
-                top_p=self.cfg.top_p if top_p is None else top_p,
-                max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
-                stop=list(self.cfg.stop) or None,
-                seed=s,
-                logprobs=0,  # the sampled token's own logprob
-                ignore_eos=ignore_eos,
-            ) for s in seeds]
+            params = self._params(len(prompts), n, temperature, top_p, max_tokens, seed, ignore_eos)
             self._prefix_cache_current()
             if self.interruptible:
                 return self._generate_stepwise(prompts, params, n, keep_routes)
@@ -428,6 +406,44 @@ class VLLMEngine:
                                self.weight_version, routes=routes_of(routes, req.request_id, c.index,
                                                                      len(prompts[i]) + len(c.token_ids) - 1))
                     for i, req in enumerate(outs) for c in req.outputs]
+
+    def _params(self, count: int, n: int, temperature, top_p, max_tokens, seed, ignore_eos: bool) -> list:
+        """One SamplingParams per prompt (`generate`'s arguments)."""
+        from vllm import SamplingParams
+
+        if seed is None or isinstance(seed, int):
+            seeds = [None if seed is None else prompt_seed(seed, i) for i in range(count)]
+        elif len(seed) != count:
+            raise ValueError(f"generate: {len(seed)} seeds for {count} prompts; give one per prompt or one int")
+        else:
+            seeds = list(seed)
+        return [SamplingParams(
+            n=n,
+            temperature=self.cfg.temperature if temperature is None else temperature,
+            top_p=self.cfg.top_p if top_p is None else top_p,
+            max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
+            stop=list(self.cfg.stop) or None,
+            seed=s,
+            logprobs=0,  # the sampled token's own logprob
+            ignore_eos=ignore_eos,
+        ) for s in seeds]
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float | None = None,
+                        top_p: float | None = None, max_tokens: int | None = None,
+                        seed: int | Sequence[int] | None = None, ignore_eos: bool = False):
+        """`generate`, each prompt's n completions yielded as soon as its last one finishes, with the others of the
+        same decode step (streamed rollouts, `rlhf.driver.rollout`; a Ray generator task in an actor). Cancelling it
+        (`ray.cancel`), or closing the generator in-process, stops every request still running at the next
+        decode step. The same samples as `generate` for the same seeds; no routes."""
+        if self.capture_routes:
+            raise ValueError("generate_stream carries no routes: routing replay generates with generate_routed")
+        with self._generating_call():
+            self._check_serving()
+            params = self._params(len(prompts), n, temperature, top_p, max_tokens, seed, ignore_eos)
+            self._prefix_cache_current()
+            for done in step_groups(self, prompts, params, n, ray_cancelled()):
+                yield [Completion(i, tuple(tokens), tuple(logp), finish, min(versions, default=self.weight_version),
+                                  tuple(versions)) for i, _, samples in done for tokens, logp, versions, finish in samples]
 
     def _prefix_cache_current(self) -> None:
         """Before a generation: drop prefix-cache blocks computed with earlier weights. vLLM's weight reload
@@ -461,40 +477,13 @@ class VLLMEngine:
 
     def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
                            keep_routes: bool = True) -> list[Completion]:
-        """The engine stepped here, one decode step at a time, parking between steps while an install runs:
-        the tokens of each step are recorded with the version the step ran on (each step runs on one
-        version). The KV cache of tokens made before an install stays as the old weights computed it, as in
-        other partial-rollout systems; the behaviour logprobs are the ones really sampled from."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
+        """The engine stepped here, one decode step at a time, parking between steps while an install runs
+        (`actors.vllm_stepwise`): each token records the version of the step that made it."""
         from actors.route_capture import routes_of
 
-        engine, tag = self.llm.llm_engine, next(_REQUESTS)
-        ids = [f"rlhf-{tag}-{i}" for i in range(len(prompts))]
-        seqs: dict[tuple[str, int], list] = {}  # (request, sample) -> [tokens, logprobs, versions, finish]
-        for rid, p, sp in zip(ids, prompts, params):
-            sp.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
-        try:
-            while engine.has_unfinished_requests():
-                self._step_boundary()
-                self._check_serving()  # an install that failed part-way: never continue on a mix
-                for out in engine.step():
-                    for c in out.outputs:
-                        seq = seqs.setdefault((out.request_id, c.index), [[], [], [], None])
-                        seq[0] += c.token_ids
-                        seq[1] += _sampled_logprobs(c)
-                        seq[2] += [self.weight_version] * len(c.token_ids)
-                        seq[3] = c.finish_reason or seq[3]
-        except BaseException:
-            engine.abort_request(ids)
-            raise
-        missing = [(rid, k) for rid in ids for k in range(n) if (rid, k) not in seqs]
-        if missing:
-            raise RuntimeError(f"vLLM finished without output for {len(missing)} sample(s), e.g. {missing[0]}")
-        routes = self._take_routes(ids, keep_routes)
+        groups = {i: (rid, samples) for done in step_groups(self, prompts, params, n) for i, rid, samples in done}
+        routes = self._take_routes([groups[i][0] for i in range(len(prompts))], keep_routes)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
-                           tuple(versions), routes_of(routes, rid, k, len(prompts[i]) + len(tokens) - 1))
-                for i, rid in enumerate(ids)
-                for k, (tokens, logp, versions, finish) in enumerate(seqs[(rid, k)] for k in range(n))]
+                           tuple(versions), routes_of(routes, groups[i][0], k, len(prompts[i]) + len(tokens) - 1))
+                for i in range(len(prompts))
+                for k, (tokens, logp, versions, finish) in enumerate(groups[i][1])]

@@ -192,13 +192,14 @@ class RolloutConfig:
     # Sequences one engine schedules at once (vLLM's max_num_seqs; 0: vLLM's default, 256 per TP rank on
     # cpu). A step's draw per engine (prompts x group_size) above it runs in several waves.
     max_num_seqs: int = 0
-    # Where vLLM's engine core (scheduler, model runner of a TP-1 engine) runs: in the engine actor's own
-    # process (true), or in a process of its own (false, vLLM's default: scheduling overlaps output
-    # processing, which pays on a GPU). None: true for the run's engine actors on cpu, where every core is
-    # busy generating and the extra process and its IPC hop cost more than they overlap (generation 1.4x
-    # faster on the main job here, one process less per engine); false on cuda / npu and for an engine
-    # built inside another process (`rlhf eval`, tests).
+    # Where vLLM's engine core (scheduler, model runner of a TP-1 engine) runs: in the engine actor's process
+    # (true) or a process of its own (false, vLLM's default). None: true for the run's engine actors on cpu (the
+    # extra process and its IPC hop cost more than they overlap there: docs/throughput.md item 4), false on
+    # cuda / npu and for an engine built inside another process (`rlhf eval`, tests).
     engine_core_in_process: Optional[bool] = None
+    # Streamed rollouts (docs/rollout.md): each group scored as soon as its engine finishes it, DAPO's filter
+    # applied in prompt order, and the draw's other groups stopped once the batch is full. Same batch for a seed.
+    stream_groups: bool = True
     # Trainer/engine logprob parity: a step whose 99th percentile of |trainer - engine| logprob difference
     # over the sampled tokens exceeds this is reported (a stale or mis-installed weight moves most tokens and
     # shows up at once; one router near-tie, which moves a single token, does not: `rlhf.parity`). 0: by the
@@ -219,9 +220,8 @@ class RolloutConfig:
     max_restarts: int = 3
     restart_window_steps: int = 20
     # A generate call (the step's rollouts, an evaluation) an engine has not answered within this many seconds
-    # means the engine hangs (alive but stuck: a wedged device, a stalled file system): it is killed and
-    # replaced as a dead one is, and the call redone (docs/faults.md). 0: trainer.collective_timeout_s + 60.
-    # Set it above the longest generation a healthy engine takes.
+    # means it hangs (a wedged device, a stalled file system): it is killed and replaced as a dead one is, and
+    # the call redone (docs/faults.md). 0: trainer.collective_timeout_s + 60. Set it above the longest generation.
     hang_timeout_s: float = 0.0
     # While a generate call or a weight sync runs, every engine is probed this often on a thread of its own
     # (its process answers at once, however busy its call): one that has not answered the previous probe

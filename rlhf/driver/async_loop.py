@@ -174,7 +174,7 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
     counted once, at the step that trains on that group."""
     G = len(ro.completions) // len(ro.rows)
     stats = {"drawn": ro.groups_drawn, "generate_seconds": ro.generate_seconds,
-             "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens}
+             "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens, "stopped": ro.groups_stopped}
     out = []
     for i, row in enumerate(ro.rows):
         comps = ro.completions[i * G:(i + 1) * G]
@@ -233,7 +233,7 @@ def queue_state_loaded(state: dict, d: Path, load: Callable | None = None) -> di
 def to_rollout(groups: list[QueuedGroup]) -> Rollout:
     """A step's rollouts from the groups it took."""
     rows, prompt_ids, comps = [], [], []
-    drawn = gen_s = rew_s = tokens = 0
+    drawn = gen_s = rew_s = tokens = stopped = 0
     for p, g in enumerate(groups):
         d = g.payload
         rows.append(PromptRow(*d["row"]))
@@ -245,8 +245,9 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
             s = d["batch_stats"]
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
             rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
+            stopped += s.get("stopped", 0)  # none in checkpoints written before streamed rollouts
     return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
-                   torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens)
+                   torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped)
 
 
 def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:

@@ -30,7 +30,7 @@ def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parit
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/truncated_fraction": sum(c.finish_reason == "length" for c in ro.completions) / len(ro.completions),
         "rollout/groups_drawn": ro.groups_drawn, "rollout/groups_kept": len(ro.rows),
-        "rollout/generated_tokens": ro.generated_tokens,
+        "rollout/generated_tokens": ro.generated_tokens, "rollout/groups_stopped": ro.groups_stopped,
         "actor/entropy_old": float((entropy_BT * batch.mask_BT).sum() / batch.mask_BT.sum()),
         "parity/max_abs_diff": parity.max_abs_diff, "parity/mean_abs_diff": parity.mean_abs_diff,
         "parity/p99_abs_diff": parity.p99_abs_diff, "parity/tokens": parity.tokens,

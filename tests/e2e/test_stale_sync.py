@@ -97,7 +97,8 @@ def test_a_dead_engine_is_replaced_under_stalesync_and_every_group_is_trained_on
     out = tmp_path / "run"
     result = train(_cfg(d, out, "steps=6", "eval_every=100", "stale_sync.max_staleness=1",
                         "stale_sync.partial_rollout=true", "chaos.kill_engines=[0@3,0@4:sync]",
-                        "chaos.stop_engines=[0@5:sync]", "rollout.liveness_probe_s=5"))
+                        "chaos.stop_engines=[0@5:sync]", "rollout.liveness_probe_s=5",
+                        "rollout.stream_groups=true"))  # streamed draws: the kills land mid-stream
     P = 32
     steps = _steps(out)
     assert result["steps_run"] == 6 and result["engine_restarts"] == 3
@@ -191,7 +192,8 @@ def test_partial_rollouts_in_the_loop(tiny, ray_session, tmp_path):
                         # 16 sequences at a time over 6 steps: a batch's 768 samples take many waves, so syncs land
                         # mid-generation whatever the machine's speed (at vLLM's default of 256 a batch could finish
                         # between two syncs; at 32 over 4 steps a fresh clone's CI once saw no mixed sample)
-                        "stale_sync.partial_rollout=true", "rollout.max_num_seqs=16", "steps=6"))
+                        "stale_sync.partial_rollout=true", "rollout.max_num_seqs=16", "steps=6",
+                        "rollout.stream_groups=true"))  # installs park streamed generations too
     steps = _steps(out)
     assert result["syncs"] == 6 and result["staleness_max"] <= 2 and result["samples_dropped"] == 0
     assert sum(m["stale/mixed_version_samples"] for m in steps) > 0

@@ -1,9 +1,13 @@
 """One step's rollouts: DAPO dynamic sampling keeps only groups whose rewards differ and draws more
-prompts until the batch is full; the overlong penalty lowers the reward of long responses. The engine
-group is an in-process stand-in whose completions are fixed per prompt; scoring is the real rule
-verifier (the engine itself is covered by tests/e2e)."""
+prompts until the batch is full; the overlong penalty lowers the reward of long responses; streamed draws
+keep the groups a whole draw keeps, whatever order the groups finish in, and stop the others once the batch
+is full. The engine group is an in-process stand-in whose completions are fixed per prompt (streamed in a
+shuffled order); scoring is the real rule verifier (the engines themselves are covered by tests/e2e)."""
 
 import dataclasses
+import random
+
+import pytest
 
 import torch
 
@@ -21,9 +25,10 @@ TOK = build_tokenizer(32)
 class StandInRoles:
     """Prompts whose answer ends in 0 are always solved, in 1 never, otherwise every other sample."""
 
-    def __init__(self):
+    def __init__(self, order_seed: int = 0):
         self.reward = RuleRewardWorker(RewardKind.exact_match)
-        self.generated = 0
+        self.generated = self.never_came = 0
+        self.order_seed = order_seed
 
     def generate(self, prompts, n, seed, **kw):
         out = []
@@ -38,17 +43,49 @@ class StandInRoles:
         self.generated += len(prompts)
         return out
 
-    def score(self, responses, answers, prompts=None):
-        return self.reward.score(responses, answers, prompts).scores, []
+    def submit_score(self, responses, answers, prompts):
+        return self.reward.score(responses, answers, prompts)
+
+    def wait_score(self, sent):
+        return [sent]
+
+    def score_ready(self, sent):
+        return True
+
+    def stream(self, prompts, n, seed, phase="generate"):
+        return StandInStream(self, self.generate(prompts, n, seed), n, self.order_seed)
+
+
+class StandInStream:
+    """A draw's groups in a shuffled order, a few at a time; `stop` records how many never came."""
+
+    def __init__(self, roles, comps, n, order_seed):
+        groups = [(i, comps[i * n:(i + 1) * n]) for i in range(len(comps) // n)]
+        rng = random.Random(order_seed)
+        rng.shuffle(groups)
+        self.roles, self.left, self.rng = roles, groups, rng
+
+    @property
+    def done(self):
+        return not self.left
+
+    def arrived(self):
+        k = self.rng.randint(1, 3)
+        out, self.left = self.left[:k], self.left[k:]
+        return out
+
+    def stop(self):
+        self.roles.never_came += len(self.left)
+        self.left = []
 
 
 def _rows():
     return [PromptRow(f"{a}+{b}=", str(a + b), f"x:{a}") for a in range(10, 30) for b in (0, 1, 3)]
 
 
-def _cfg(**algo):
+def _cfg(stream: bool = False, **algo):
     return RunConfig(data=DataConfig(prompts_per_step=6), algorithm=AlgorithmConfig(group_size=4, **algo),
-                     rollout=RolloutConfig(max_new_tokens=4))
+                     rollout=RolloutConfig(max_new_tokens=4, stream_groups=stream))
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_refills():
@@ -95,3 +132,40 @@ def test_overlong_penalty_lowers_long_responses():
     lengths = torch.tensor([len(c.token_ids) for c in ro.completions], dtype=torch.float32).view(6, 4)
     expect = -((lengths - 1) / 2).clamp(0, 1)  # 0 up to max - buffer = 1 token, -1 at max = 3 tokens
     assert torch.allclose(ro.rewards_PG - ro.scores_PG, expect)
+
+
+@pytest.mark.parametrize("order_seed", range(8))
+@pytest.mark.parametrize("gen_prompts", [6, 12, 20])
+def test_streamed_draws_keep_what_whole_draws_keep_in_any_finishing_order(order_seed, gen_prompts):
+    """Groups scored as they finish, in a random order, a few at a time: the batch (rows, samples, rewards) and
+    the prompts drawn are those of whole draws; the groups not back when the batch filled are stopped."""
+    def run(stream):
+        roles = StandInRoles(order_seed)
+        cfg = dataclasses.replace(_cfg(stream, dynamic_sampling=True),
+                                  data=DataConfig(prompts_per_step=6, gen_prompts_per_step=gen_prompts))
+        sampler = PromptSampler(_rows(), 6, seed=0)
+        return collect(cfg, roles, sampler, TOK, step=1), roles, sampler.state_dict()
+
+    (whole, _, cursor), (streamed, roles, streamed_cursor) = run(False), run(True)
+    assert streamed.rows == whole.rows and streamed.completions == whole.completions
+    assert torch.equal(streamed.rewards_PG, whole.rewards_PG) and torch.equal(streamed.scores_PG, whole.scores_PG)
+    assert streamed.groups_drawn == whole.groups_drawn and streamed_cursor == cursor
+    assert whole.groups_stopped == 0 and streamed.groups_stopped == roles.never_came
+    if roles.never_came:  # a stopped group's tokens are not counted
+        assert streamed.generated_tokens < whole.generated_tokens
+    else:
+        assert streamed.generated_tokens == whole.generated_tokens
+
+
+def test_a_streamed_draw_with_room_for_every_group_stops_none():
+    roles = StandInRoles(3)
+    ro = collect(_cfg(True), roles, PromptSampler(_rows(), 6, seed=0), TOK, step=1)  # no filter: 6 of 6 needed
+    assert ro.groups_drawn == 6 and ro.groups_stopped == 0 and roles.never_came == 0
+
+
+def test_a_streamed_draw_stops_the_groups_it_no_longer_needs():
+    roles = StandInRoles(5)
+    cfg = dataclasses.replace(_cfg(True, dynamic_sampling=True),
+                              data=DataConfig(prompts_per_step=6, gen_prompts_per_step=20))
+    ro = collect(cfg, roles, PromptSampler(_rows(), 6, seed=0), TOK, step=1)
+    assert len(ro.rows) == 6 and ro.groups_drawn == 20 and ro.groups_stopped == roles.never_came == 4
