@@ -267,6 +267,14 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
             run.log(f"step {step}: dropped {dropped} group(s) older than stale_sync.max_staleness={s}")
         if len(have) == P:
             return have
+        with producer.cond:  # every batch made, none since the take, the step still short: one came back short
+            short = producer.groups_made == made and producer.next_batch > producer.last_batch and not producer.busy
+            if short:  # (dynamic sampling out of draws, `rlhf.driver.rollout.MAX_DRAWS`): one more batch makes up the groups
+                producer.last_batch += 1
+                producer.cond.notify_all()
+        if short:
+            run.log(f"step {step}: {len(have)} of {P} groups queued and every batch made (one came back short "
+                    "of its groups): making one more")
         producer.wait(lambda: producer.groups_made > made)
 
 

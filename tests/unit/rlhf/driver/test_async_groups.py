@@ -81,3 +81,78 @@ def test_route_references_round_trip_through_a_checkpoint(tmp_path):
                                        for c in g["payload"]["completions"]]
     with pytest.raises(ValueError, match="routing_replay=off"):
         queue_state_loaded(old, tmp_path)
+
+
+class _Run:
+    """What the producer and `take_batch` read of a run (the loop's own bookkeeping, no roles)."""
+
+    def __init__(self, steps: int, P: int, staleness: int):
+        from types import SimpleNamespace
+
+        from rlhf.schema import DataConfig, RunConfig, StaleSyncConfig
+
+        self.cfg = RunConfig(steps=steps, data=DataConfig(prompts_per_step=P),
+                             stale_sync=StaleSyncConfig(max_staleness=staleness))
+        self.step, self.samples_dropped, self.said = 0, 0, []
+        self.roles = self.route_stages = None
+        self.inputs = SimpleNamespace(sampler=None, tokenizer=None)
+        self.tracker = SimpleNamespace(trace=SimpleNamespace(add=lambda *a: None))
+
+    def log(self, line: str) -> None:
+        self.said.append(line)
+
+    def serve_recoveries(self) -> None:
+        pass
+
+    def recovery_pending(self) -> bool:
+        return False
+
+
+class _Queue:
+    """DistQueue's interface over its in-process queue (one shard)."""
+
+    def __init__(self):
+        from rlhf.data.versioned_queue import VersionedQueue
+
+        self.q = VersionedQueue()
+
+    @property
+    def dropped(self) -> int:
+        return self.q.dropped
+
+    def put(self, groups):
+        self.q.put(groups)
+
+    def take(self, n, step, max_staleness):
+        return self.q.take(n, step, max_staleness)
+
+    def size(self):
+        return len(self.q)
+
+
+def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
+    """Dynamic sampling can run out of draws with fewer groups than a step needs: the queue then holds fewer
+    groups than the steps will take, so once every batch is made and a step is still short, the producer
+    makes one more batch (it used to stop the run: "the trainer's batch is still short")."""
+    from rlhf.driver import async_loop
+    from rlhf.driver.async_loop import Producer, take_batch
+
+    P, sizes = 3, {1: 3, 2: 2, 3: 3, 4: 3}  # batch 2 comes back one group short
+
+    def collect(cfg, roles, sampler, tok, b, route_stages=None):
+        ro = _rollout(P=sizes[b])
+        return replace(ro, completions=[replace(c, weight_version=0, token_versions=(0, 0)) for c in ro.completions])
+
+    monkeypatch.setattr(async_loop, "collect", collect)
+    run, queue = _Run(steps=3, P=P, staleness=2), _Queue()
+    producer = Producer(run, queue, next_batch=1, next_seq=0).start()
+    try:
+        taken = []
+        for step in (1, 2, 3):
+            groups = take_batch(run, queue, producer, step)
+            taken.append([(g.batch, g.seq) for g in groups])
+            producer.serve(step)
+    finally:
+        producer.stop(10)
+    assert taken == [[(1, 0), (1, 1), (1, 2)], [(2, 3), (2, 4), (3, 5)], [(3, 6), (3, 7), (4, 8)]]
+    assert producer.last_batch == 4 and any("making one more" in line for line in run.said)
