@@ -22,6 +22,7 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
+from rlhf.host_memory import small_onednn_cache
 from rlhf.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
@@ -46,6 +47,7 @@ class PolicyWorker:
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, device_type: DeviceType,
                  rank: int, model_dir: str, threads: int = 1):
+        small_onednn_cache()  # before this process's first matmul
         torch.set_num_threads(threads)
         self.model_cfg, self.tcfg, self.device_type, self.rank = model_cfg, trainer_cfg, device_type, rank
         self.model_dir = model_dir

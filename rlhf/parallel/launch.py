@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf.host_memory import small_onednn_cache
 from rlhf.parallel.comm import init_process_group
 
 PARENT_POLL_S = 5.0  # a pooled process whose parent is gone exits within this
@@ -39,6 +40,7 @@ def free_port() -> int:
 
 def _entry(fn, rank, world_size, port, results, args, collective_timeout_s, threads, call=None,
            device_type="cpu", backend="auto"):
+    small_onednn_cache()  # as a trainer rank's process does (a pooled process keeps what its first call set)
     torch.set_num_threads(threads)
     try:
         init_process_group(rank, world_size, "127.0.0.1", port, device_type, backend, collective_timeout_s)

@@ -90,3 +90,14 @@ def test_trim_heap_gives_back_what_glibc_keeps_free_only_above_the_threshold():
     before = _rss()
     assert trim_heap(at_least=1 << 20)
     assert before - _rss() > 100 << 20 and heap_free_bytes() is not None
+
+
+def test_onednn_cache_capped_unless_the_environment_says_otherwise(monkeypatch):
+    from rlhf.host_memory import ONEDNN_CACHE_CAPACITY, small_onednn_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    small_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")  # a user's own choice stands
+    small_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
