@@ -7,9 +7,10 @@ Builds the policy first (random weights of the config's model shape and a tokeni
 vocabulary, with the tiny task's prompt files; our own code, once per shape under `model.path`), then
 runs `rlhf.driver.train` with `--warmup` + `--steps` steps and a sampler of the whole process tree's
 memory. The last line is one JSON object: `tokens_per_second` (generated tokens over the measured
-steps' seconds, the run's final held-out evaluation left out), `seconds_per_step`, seconds per phase, `sync_bytes_per_step`, `peak_memory_gib` (the
-machine's use above what it used before the run, free pages in the kernel's per-CPU lists not counted;
-`peak_memory_gib_psutil` counts them, as `free` does) and per role (resident memory by process title).
+steps' seconds, the run's final held-out evaluation left out), `seconds_per_step`, seconds per phase,
+`sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it used before the run, free pages in
+the kernel's per-CPU lists not counted; `peak_memory_gib_psutil` counts them, as `free` does) and per role
+(resident memory by process title).
 """
 
 from __future__ import annotations
