@@ -52,14 +52,10 @@ class GroupStream:
     def arrived(self) -> list[tuple[int, list]]:
         """The groups that came back since the last call, as (prompt index, its n completions), waiting until
         at least one has or every share is done ([] then)."""
-        import ray
-
         out: list[tuple[int, list]] = []
         while self.streams and not out:
-            gens = {id(g): e for e, (_, g) in self.streams.items()}
             tick = min(self.deadline, time.monotonic() + self.every)
-            ready, _ = ray.wait([g for _, g in self.streams.values()], num_returns=1,
-                                timeout=max(tick - time.monotonic(), 0.0))
+            ready = self._ready(max(tick - time.monotonic(), 0.0))
             if not ready and time.monotonic() < self.deadline:  # a probe tick
                 live = list(self.streams.items())
                 stuck = _unanswered_probes([g for _, (_, g) in live], self.probes, [h for _, (h, _) in live])
@@ -71,31 +67,24 @@ class GroupStream:
             if not ready:
                 e = next(iter(self.streams))
                 h = self.streams[e][0]
-                out += self._redo(e, RoleError(h.role, h.rank, "generate_stream",
-                                               f"did not finish within {self.deadline_s:.0f} s", hung=True))
+                out += self._redo(e, RoleError(h.role, h.rank, "generate_stream", "did not finish within "
+                                               f"{self.roles.hang_timeout_s or self.roles.timeout_s:.0f} s", hung=True))
                 continue
-            for g in ready:
-                out += self._next(gens[id(g)])
-            out += self._more()
+            while ready:  # then whatever else is already there, without waiting
+                for e in ready:
+                    out += self._next(e)
+                ready = self._ready(0.0) if self.streams else []
         return out
 
-    @property
-    def deadline_s(self) -> float:
-        return self.roles.hang_timeout_s or self.roles.timeout_s
-
-    def _more(self) -> list[tuple[int, list]]:
-        """Whatever else is already there, without waiting."""
+    def _ready(self, timeout: float) -> list[int]:
+        """The engines whose stream has its next item (or its end) within `timeout` seconds: one at least, or
+        none when the time is up; with 0, every one that has."""
         import ray
 
-        out: list[tuple[int, list]] = []
-        while self.streams:
-            gens = {id(g): e for e, (_, g) in self.streams.items()}
-            ready, _ = ray.wait([g for _, g in self.streams.values()], num_returns=len(gens), timeout=0)
-            if not ready:
-                break
-            for g in ready:
-                out += self._next(gens[id(g)])
-        return out
+        engine = {id(g): e for e, (_, g) in self.streams.items()}
+        ready, _ = ray.wait([g for _, g in self.streams.values()], num_returns=1 if timeout else len(engine),
+                            timeout=timeout)
+        return [engine[id(g)] for g in ready]
 
     def _next(self, e: int) -> list[tuple[int, list]]:
         h, gen = self.streams[e]

@@ -3,6 +3,7 @@
     python -m benchmarks.update_profile                # one rank, 32 samples x (8 + 128) tokens, small model
     python -m benchmarks.update_profile --ranks 2      # dp2 x ep2 over two gloo processes, 64 samples
     python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --no-profile   # mixed precision
+    python -m benchmarks.update_profile --compute-dtype bfloat16 --profile-memory        # ops by memory allocated
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
-           compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096) -> dict:
+           compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
+           profile_memory: bool = False) -> dict:
     import torch
 
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
@@ -61,9 +63,10 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         memory[f"after_step_{len(seconds)}"] = _memory_gib()
     table = ""
     if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=profile_memory) as prof:
             step()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        table = prof.key_averages().table(sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
+                                          row_limit=25 if profile_memory else 15)
     return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory}
 
 
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="trainer.compute_dtype (default: the model's dtype)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer.micro_batch_tokens")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
+    parser.add_argument("--profile-memory", action="store_true",
+                        help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
     args = parser.parse_args(argv)
     if args.micro_batch_tokens < 1:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         model.init_weights(0, std=0.02)
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
-                        args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens, timeout_s=1800)
+                        args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
+                        args.profile_memory, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,

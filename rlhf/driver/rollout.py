@@ -96,7 +96,8 @@ class Draw:
     def score(self, roles, tok, groups: list[tuple[int, list]], sent=None) -> None:
         """Score `groups` ((prompt index, completions) each), or take the scores of `sent` (`submit`), then
         decide every group now decidable in prompt order."""
-        sent = sent or self.submit(roles, tok, groups)
+        if sent is None:
+            sent = self.submit(roles, tok, groups)
         scores = [x for reply in roles.wait_score(sent) for x in reply.scores]
         cfg, G = self.cfg, self.cfg.algorithm.group_size
         for g, (i, comps) in enumerate(groups):
