@@ -4,7 +4,8 @@ For a policy update only two numbers per token are needed from the [tokens, voca
 token's logprob and the distribution's entropy. Materialising the logits, their float copy, the
 log-softmax, its exp and their product (five [tokens, vocab] tensors, about 0.5 GB each for 4,000 tokens
 of a 32,000-token vocabulary) makes the step memory-bound. Here the logits exist one chunk of tokens
-at a time, in forward and again (recomputed) in backward:
+at a time, in forward and again in backward (kept from the forward up to `KEEP_LOGITS_BYTES` in the
+matmuls' dtype, recomputed beyond):
 
     z = h W^T / temperature            lse = logsumexp(z)       p = exp(z - lse)
     logp = z[target] - lse             H = lse - sum(p z)
@@ -20,6 +21,10 @@ import torch
 from rlhf.model.layers import autocast_dtype
 
 CHUNK_TOKENS = 1024  # tokens per matmul
+# an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
+# recomputing them: one [1,024, 32,000] chunk is 65 MB in bf16 (131 MB in fp32), and its matmul is a quarter of
+# the head's work in the update; larger calls (longer micro-batches) recompute as before
+KEEP_LOGITS_BYTES = 256 * 2**20
 # tokens per elementwise pass over the vocabulary: [64, V] fp32 (8 MB at V = 32,000) stays in the last-level
 # cache, where a whole chunk's [1024, V] (128 MB) goes to memory and back for each of its five passes
 ROWS = 64
@@ -32,8 +37,12 @@ class _HeadLogprobs(torch.autograd.Function):
         w_VH = weight_VH.to(compute)  # the matmuls' operands in `compute`; logits, softmax and sums in fp32
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
+        keep = any(ctx.needs_input_grad[:2]) and N * w_VH.shape[0] * w_VH.element_size() <= KEEP_LOGITS_BYTES
+        ctx.logits = [] if keep else None
         for a in range(0, N, chunk):
             zc_CV = hidden_NH[a:a + chunk].to(compute) @ w_VH.T
+            if keep:  # the backward's dL/dz overwrites them in place: the same values it would recompute
+                ctx.logits.append(zc_CV)
             for r in range(0, zc_CV.shape[0], ROWS):
                 i, z_RV = a + r, zc_CV[r:r + ROWS].float()
                 if temperature != 1.0:
@@ -56,9 +65,13 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) \
             if ctx.needs_input_grad[1] else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
-        for a in range(0, hidden_NH.shape[0], chunk):
+        kept, ctx.logits = ctx.logits, None  # a second backward (retain_graph) recomputes them
+        for j, a in enumerate(range(0, hidden_NH.shape[0], chunk)):
             h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
-            zc_CV = h_CH @ w_VH.T  # recomputed logits; each row block is overwritten by its dL/dz
+            if kept is not None:  # the forward's logits; each row block is overwritten by its dL/dz
+                zc_CV, kept[j] = kept[j], None
+            else:
+                zc_CV = h_CH @ w_VH.T  # recomputed logits, the same values
             for r in range(0, zc_CV.shape[0], ROWS):
                 i, rows = a + r, slice(r, r + ROWS)
                 # log p = z - lse (the forward's lse: no second logsumexp); a view of zc_CV when it is fp32

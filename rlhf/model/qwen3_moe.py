@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.layers import RMSNorm, autocast_dtype, full_precision_linear
+from rlhf.model.layers import RMSNorm, autocast_dtype, full_precision_linear, inverse_permutation, permute_rows
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -184,7 +184,8 @@ class Experts(nn.Module):
         # Views per expert from one unbind of each stack and one split of the sorted rows: indexing or
         # slicing them once per expert would make each expert's backward write a zero gradient the size of
         # the whole stack (or of all rows) and add it up, E times per layer.
-        rows = x_RH[order].split(counts)
+        inverse = inverse_permutation(order)
+        rows = permute_rows(x_RH, order, inverse).split(counts)
         gate_up, down = self.gate_up_proj, self.down_proj
         dtype = autocast_dtype(x_RH.device.type)
         if dtype is not None:  # one cast of each stack per forward, not one per expert and call
@@ -200,7 +201,7 @@ class Experts(nn.Module):
             # and the weights, so the backward reaches the all-to-all that brought the rows and every rank of
             # the EP group joins it (with zeros from x_RH.new_zeros the rank skipped it and its peers hung).
             return x_RH * 0 + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
-        return torch.cat(ys)[torch.argsort(order)]
+        return permute_rows(torch.cat(ys), inverse, order)
 
 
 class SparseMoE(nn.Module):

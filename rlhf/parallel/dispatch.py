@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rlhf.model.layers import inverse_permutation, permute_rows
 from rlhf.parallel.comm import LayoutGroups, all_to_all, exchange_counts
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [R, H], local expert [R]) -> [R, H]
@@ -108,9 +109,10 @@ class FlatDispatcher(Dispatcher):
         shard_R = shard_Sk.reshape(-1)
         order = torch.argsort(shard_R, stable=True)
         send = torch.bincount(shard_R, minlength=len(self.members)).tolist()
-        x_recv, e_recv, recv = self._exchange(rows[order], local_Sk.reshape(-1)[order], send)
+        inverse = inverse_permutation(order)
+        x_recv, e_recv, recv = self._exchange(permute_rows(rows, order, inverse), local_Sk.reshape(-1)[order], send)
         y_back = self._return(expert_fn(x_recv, e_recv), recv, send)
-        return y_back[torch.argsort(order)]
+        return permute_rows(y_back, inverse, order)
 
 
 class HierarchicalDispatcher(Dispatcher):

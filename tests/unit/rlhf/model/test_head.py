@@ -73,3 +73,33 @@ def test_under_autocast_the_matmuls_are_bf16_and_the_rest_fp32(chunk):
     assert w_err <= (1e-6 if chunk >= B * (T - 1) else 1e-2), w_err
     fp32_logp, _ = token_logprobs(hidden @ weight.T, ids)
     assert (logp - fp32_logp).abs().max() > 1e-3  # bf16 rounding shows: the matmuls did run in bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype):
+    """The update keeps the forward's logits for the backward (up to KEEP_LOGITS_BYTES) instead of recomputing
+    them: the same values, so the same gradients to the bit; a second backward (retain_graph) recomputes."""
+    import rlhf.model.head as head
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 2, 13, 32, 300
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    g_logp, g_ent = torch.randn(B, T - 1, generator=g), torch.randn(B, T - 1, generator=g)
+
+    def grads(keep_bytes, twice=False):
+        monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", keep_bytes)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not torch.float32):
+            logp, ent = head_logprobs(h[:, :-1], w, ids[:, 1:], chunk=5)
+        loss = (logp * g_logp).sum() + (ent * g_ent).sum()
+        loss.backward(retain_graph=twice)
+        first = (h.grad.clone(), w.grad.clone())
+        if twice:
+            h.grad, w.grad = None, None
+            loss.backward()
+            assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+        return first
+
+    kept, recomputed = grads(2**30, twice=True), grads(0)
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
