@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from rlhf.model.layers import RMSNorm
+from rlhf.model.layers import RMSNorm, attention
 from rlhf.schema import ModelConfig, RopeScaling
 
 
@@ -106,5 +105,5 @@ class LatentAttention(nn.Module):
         k_rot = apply_rope_interleaved(k_rot[:, None], cos, sin).expand(-1, k_nope.shape[1], -1, -1)
         q = torch.cat((q_nope, q_rot), -1)
         k = torch.cat((k_nope, k_rot), -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT, scale=self.scale)
+        out = attention(q, k, v, mask_B1TT, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

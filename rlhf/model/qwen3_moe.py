@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.layers import RMSNorm, autocast_dtype, full_precision_linear, inverse_permutation, permute_rows
+from rlhf.model.layers import RMSNorm, attention, autocast_dtype, full_precision_linear, inverse_permutation, permute_rows
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -70,7 +70,7 @@ class SelfAttention(nn.Module):
         k = self.k_norm(self.k_proj(x_BTH).view(B, T, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT, enable_gqa=k.shape[1] != q.shape[1])
+        out = attention(q, k, v, mask_B1TT, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

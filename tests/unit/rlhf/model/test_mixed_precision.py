@@ -81,3 +81,35 @@ def test_logprobs_within_bf16_rounding_and_fp32_gradients(cfg):
             assert p.grad.dtype == torch.float32, n
             rel = ((p.grad - g32[n]).norm() / g32[n].norm()).item()
             assert rel < 0.05, (n, rel)
+
+
+def test_short_bf16_training_attention_takes_the_math_path_and_agrees_with_flash():
+    """`rlhf.model.layers.attention`: under bf16 autocast with autograd recording, sequences up to SHORT_SEQUENCE
+    go through SDPA's math path (faster backward on cpu); the same values as that path, within bf16 rounding of the
+    flash kernel's, and gradients reach q, k and v. Inference forwards and fp32 keep the default kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlhf.model.layers import attention
+
+    g = torch.Generator().manual_seed(4)
+    B, N, K, T, D = 3, 4, 2, 24, 16
+    q, k, v = (torch.randn(B, n, T, D, generator=g) for n in (N, K, K))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T).clone()
+    mask[0, :, :, :3] = torch.eye(T, dtype=torch.bool)[:, :3]  # a left-padded row
+
+    def sdpa(backend, *args):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(*args, attn_mask=mask, enable_gqa=True)
+
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    with torch.autocast(**BF16):
+        got = attention(qg, kg, vg, mask, enable_gqa=True)
+        math = sdpa(SDPBackend.MATH, qg, kg, vg)
+        flash = sdpa(SDPBackend.FLASH_ATTENTION, qg, kg, vg)
+        inference = attention(q, k, v, mask, enable_gqa=True)  # no grad recorded: the default kernel
+        assert torch.equal(inference, sdpa(SDPBackend.FLASH_ATTENTION, q, k, v))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, math)
+    assert (got.float() - flash.float()).abs().max() < 3e-2
+    got.float().square().sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (qg, kg, vg))
+    assert torch.equal(attention(q, k, v, mask, enable_gqa=True), sdpa(SDPBackend.FLASH_ATTENTION, q, k, v))  # fp32
