@@ -27,6 +27,7 @@ from typing import Iterable
 import torch
 
 from actors.vllm_install import counts_remembered
+from actors.vllm_sampler import patch_cpu_sampler
 from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def _patch_cpu_rotary_3d() -> None:
 
 
 _patch_cpu_rotary_3d()
+patch_cpu_sampler()  # inverse-transform sampling instead of the per-entry Gumbel kernel (actors/vllm_sampler.py)
 
 if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # set by vllm_platform.no_compile: eager on every thread here too
     torch.compiler.set_stance("force_eager")
