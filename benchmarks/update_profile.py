@@ -4,6 +4,7 @@
     python -m benchmarks.update_profile --ranks 2      # dp2 x ep2 over two gloo processes, 64 samples
     python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --no-profile   # mixed precision
     python -m benchmarks.update_profile --compute-dtype bfloat16 --profile-memory        # ops by memory allocated
+    python -m benchmarks.update_profile --memory-categories --micro-batch-tokens 1024     # tensors at the peak, by kind
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
-           profile_memory: bool = False) -> dict:
+           profile_memory: bool = False, memory_categories: bool = False) -> dict:
     import torch
 
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
@@ -61,13 +62,34 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
         memory[f"after_step_{len(seconds)}"] = _memory_gib()
-    table = ""
-    if profile:
+    table, categories = "", None
+    if memory_categories:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as prof:
+            step()
+        categories = _tensor_peak_gb(prof)
+    elif profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=profile_memory) as prof:
             step()
         table = prof.key_averages().table(sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
                                           row_limit=25 if profile_memory else 15)
-    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory}
+    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
+            "tensor_peak_gb": categories}
+
+
+def _tensor_peak_gb(prof) -> dict:
+    """The profiled step's tensors at their peak, GB by kind (parameters, optimizer state, gradients, activations,
+    temporaries), from torch's memory profiler (a private module: `torch.profiler._memory_profiler`). What the
+    process holds beyond these (allocator caches, oneDNN's buffers, libraries) is the resident size less this."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    import torch
+
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    peak = max(sizes, key=sum)
+    names = {i + 1: c.name.lower() if c is not None else "unknown" for c, i in _CATEGORY_TO_INDEX.items()}
+    out = {names.get(j, str(j)): round(v / 1e9, 3) for j, v in enumerate(peak) if v}
+    return out | {"total": round(sum(peak) / 1e9, 3)}
 
 
 def _memory_gib() -> dict:
@@ -89,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
     parser.add_argument("--profile-memory", action="store_true",
                         help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
+    parser.add_argument("--memory-categories", action="store_true",
+                        help="instead of the ops table: the profiled step's tensors at their peak by kind (tensor_peak_gb)")
     args = parser.parse_args(argv)
+    if args.memory_categories and args.ranks != 1:  # torch's memory profiler fails on the collectives' outputs
+        parser.error("--memory-categories profiles one rank: give --ranks 1 (it holds every expert)")
     if args.micro_batch_tokens < 1:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
 
@@ -106,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
-                        args.profile_memory, timeout_s=1800)
+                        args.profile_memory, args.memory_categories, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
-                      "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}))
+                      "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}
+                     | ({"tensor_peak_gb": {r: res["tensor_peak_gb"] for r, res in enumerate(results)}}
+                        if args.memory_categories else {})))
     return 0
 
 
