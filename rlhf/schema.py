@@ -117,8 +117,7 @@ class DataConfig:
     # Dynamic sampling: prompts generated per draw (verl's gen_batch_size), so that one draw usually fills
     # prompts_per_step groups with signal; refills scale by the same ratio. 0: prompts_per_step.
     gen_prompts_per_step: int = 0
-    # A longer prompt (in tokens, BOS included) is refused before the run starts, or skipped with skip_bad_rows;
-    # never cut short.
+    # A longer prompt (tokens, BOS included) is refused before the run starts, or skipped with skip_bad_rows
     max_prompt_tokens: int = 64
     shuffle: bool = True
 
@@ -154,8 +153,9 @@ class AlgorithmConfig:
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False
-    # Truncated importance sampling cap for the rollout/trainer logprob mismatch (0: off).
-    tis_cap: float = 0.0
+    max_draws: int = 4  # dynamic sampling: draws a step at most (verl's max_num_gen_batches)
+    fail_short_batch: bool = False  # dynamic sampling out of draws: stop the run (verl) instead of training on fewer
+    tis_cap: float = 0.0  # truncated importance sampling cap for the rollout/trainer logprob mismatch (0: off)
     overlong_buffer_tokens: int = 0
     overlong_penalty: float = 1.0
 

@@ -141,6 +141,12 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("algorithm.group_size", 1, f"{a.estimator.value} normalises within a group; use 2 or more"))
     if d.prompts_per_step <= 0:
         p.append(Problem("data.prompts_per_step", d.prompts_per_step, "must be >= 1"))
+    if a.max_draws < 1:
+        p.append(Problem("algorithm.max_draws", a.max_draws, "must be >= 1 (draws of prompts a step with dynamic "
+                         "sampling; the run trains on fewer groups, or stops with fail_short_batch, when they run out)"))
+    if a.fail_short_batch and not a.dynamic_sampling:
+        p.append(Problem("algorithm.fail_short_batch", True, "only applies with algorithm.dynamic_sampling=true (without "
+                         "it every draw is the batch); drop it or enable dynamic sampling"))
     if d.gen_prompts_per_step and not a.dynamic_sampling:
         p.append(Problem("data.gen_prompts_per_step", d.gen_prompts_per_step,
                          "only applies with algorithm.dynamic_sampling=true; set it to 0 or enable dynamic sampling"))

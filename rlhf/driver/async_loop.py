@@ -269,7 +269,7 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
             return have
         with producer.cond:  # every batch made, none since the take, the step still short: one came back short
             short = producer.groups_made == made and producer.next_batch > producer.last_batch and not producer.busy
-            if short:  # (dynamic sampling out of draws, `rlhf.driver.rollout.MAX_DRAWS`): one more batch makes up the groups
+            if short:  # (dynamic sampling out of draws, `algorithm.max_draws`): one more batch makes up the groups
                 producer.last_batch += 1
                 producer.cond.notify_all()
         if short:

@@ -16,7 +16,9 @@ from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
 from rlhf.data.verifiers import RULES
 from rlhf.schema import RewardKind, RunConfig
 
-MAX_DRAWS = 4  # dynamic sampling: at most this many draws per step
+
+class ShortBatch(RuntimeError):
+    """Dynamic sampling ran out of draws short of the batch, with `algorithm.fail_short_batch`."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None) -
     stream = cfg.rollout.stream_groups and route_stages is None
     kept: list[tuple] = []  # (row, prompt ids, completions, rewards, scores) per group
     drawn, gen_s, rew_s, tokens, stopped = 0, 0.0, 0.0, 0, 0
-    for draw in range(MAX_DRAWS if cfg.algorithm.dynamic_sampling else 1):
+    for draw in range(cfg.algorithm.max_draws if cfg.algorithm.dynamic_sampling else 1):
         rows = sampler.next(math.ceil((P - len(kept)) * over) if cfg.algorithm.dynamic_sampling else P)
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
         seed = cfg.seed * 100_003 + step * 101 + draw
@@ -66,6 +68,11 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None) -
         kept += d.kept
         if len(kept) >= P:
             break
+    if len(kept) < P and cfg.algorithm.fail_short_batch:
+        raise ShortBatch(f"step {step}: dynamic sampling kept {len(kept)} of data.prompts_per_step={P} groups (rewards "
+                         f"not all equal) in algorithm.max_draws={cfg.algorithm.max_draws} draws of {drawn} prompts; "
+                         f"raise algorithm.max_draws or data.gen_prompts_per_step, use easier prompts, or set "
+                         f"algorithm.fail_short_batch=false to train on the groups kept")
     if not kept:  # no group carried signal in any draw: train on the last draw (its advantages are 0)
         kept = [d.entry(i) for i in range(len(rows))]
     kept = kept[:P]

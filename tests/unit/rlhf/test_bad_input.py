@@ -62,7 +62,8 @@ def test_the_fixture_run_prepares(policy, tmp_path):
 
 # keys a user edits, and values of the wrong type, sign or size
 KEYS = ["seed", "steps", "eval_every", "data.prompts_per_step", "data.gen_prompts_per_step", "data.shuffle",
-        "algorithm.group_size", "algorithm.estimator", "algorithm.clip_eps_low", "algorithm.kl_coef",
+        "algorithm.group_size", "algorithm.estimator", "algorithm.clip_eps_low", "algorithm.kl_coef", "algorithm.max_draws",
+        "algorithm.fail_short_batch",
         "rollout.num_engines", "rollout.tp", "rollout.ep", "rollout.max_new_tokens", "rollout.temperature",
         "rollout.dtype", "trainer.dp", "trainer.ep", "trainer.tp", "trainer.pp", "trainer.lr", "trainer.zero_stage",
         "trainer.mini_batch_size", "trainer.micro_batch_tokens", "trainer.recompute", "trainer.collective_timeout_s",

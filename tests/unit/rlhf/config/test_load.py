@@ -116,6 +116,10 @@ def test_sharding_schedule_and_sampling_knobs_are_checked(tmp_path):
         assert key in msg, key
     msg = _error(tmp_path, "data:\n  gen_prompts_per_step: 24\nalgorithm:\n  dynamic_sampling: false\n")
     assert "only applies with algorithm.dynamic_sampling=true" in msg
+    msg = _error(tmp_path, "algorithm:\n  dynamic_sampling: true\n  max_draws: 0\n")
+    assert "algorithm.max_draws = 0" in msg and "must be >= 1" in msg
+    msg = _error(tmp_path, "algorithm:\n  fail_short_batch: true\n")
+    assert "algorithm.fail_short_batch = True" in msg and "only applies with algorithm.dynamic_sampling=true" in msg
 
 
 def test_all_problems_in_one_message(tmp_path):

@@ -17,7 +17,7 @@ from rlhf.schema import AlgorithmConfig, DataConfig, RewardKind, RolloutConfig, 
 from rlhf.data.prompts import PromptRow
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import build_tokenizer
-from rlhf.driver.rollout import collect
+from rlhf.driver.rollout import ShortBatch, collect
 
 TOK = build_tokenizer(32)
 
@@ -169,3 +169,26 @@ def test_a_streamed_draw_stops_the_groups_it_no_longer_needs():
                               data=DataConfig(prompts_per_step=6, gen_prompts_per_step=20))
     ro = collect(cfg, roles, PromptSampler(_rows(), 6, seed=0), TOK, step=1)
     assert len(ro.rows) == 6 and ro.groups_drawn == 20 and ro.groups_stopped == roles.never_came == 4
+
+
+def _hard_rows():
+    """Mostly prompts no sample gets right or every sample does (answers ending in 1 or 0): few carry signal."""
+    return [PromptRow(f"{a}+{b}=", str(a + b), f"x:{a}") for a in range(10, 40) for b in (0, 1) if (a + b) % 10 in (0, 1)] \
+        + [PromptRow("12+3=", "15", "x:s")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_out_of_draws_the_step_trains_on_fewer_groups_or_stops_as_configured(stream):
+    """algorithm.max_draws (verl's max_num_gen_batches) bounds the draws; short of the batch the step trains on
+    the groups kept, or with fail_short_batch stops with what to change (verl's behaviour)."""
+    roles = StandInRoles(1)
+    ro = collect(_cfg(stream, dynamic_sampling=True, max_draws=2), roles, PromptSampler(_hard_rows(), 6, seed=0), TOK,
+                 step=3)
+    assert roles.generated == ro.groups_drawn and 0 < len(ro.rows) < 6
+    assert (ro.rewards_PG.max(1).values > ro.rewards_PG.min(1).values).all()
+    more = collect(_cfg(stream, dynamic_sampling=True, max_draws=8), StandInRoles(1),
+                   PromptSampler(_hard_rows(), 6, seed=0), TOK, step=3)
+    assert more.groups_drawn > ro.groups_drawn and len(more.rows) > len(ro.rows)
+    with pytest.raises(ShortBatch, match="step 3: dynamic sampling kept .* of data.prompts_per_step=6 .*max_draws=2"):
+        collect(_cfg(stream, dynamic_sampling=True, max_draws=2, fail_short_batch=True), StandInRoles(1),
+                PromptSampler(_hard_rows(), 6, seed=0), TOK, step=3)
