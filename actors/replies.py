@@ -6,9 +6,10 @@ only; every reply carries when its work started and how long it took (`start`, `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: a reward worker, which needs ScoreReply, never loads torch for it
+    import torch
 
 
 @dataclass(frozen=True)
