@@ -45,8 +45,12 @@ def sample_inverse_cdf(probs_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tenso
 
 
 def uniforms(batch: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One float64 uniform per row: from the row's own generator (a seeded request) or torch's global one."""
-    u = torch.rand(batch, dtype=torch.float64)
+    """One float64 uniform per row: from the row's own generator (a seeded request) or torch's global one (drawn
+    only for the rows without)."""
+    u = torch.empty(batch, dtype=torch.float64)
+    free = [i for i in range(batch) if i not in generators]
+    if free:
+        u[free] = torch.rand(len(free), dtype=torch.float64)
     for i, gen in generators.items():
         u[i] = torch.rand((), dtype=torch.float64, generator=gen)
     return u

@@ -49,6 +49,9 @@ def test_seeded_rows_draw_from_their_own_generator():
     assert u[1] == torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     assert u[3] == torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     assert all(0 <= x < 1 for x in u.tolist()) and not math.isnan(float(u.sum()))
+    state = torch.get_rng_state()  # every row seeded: torch's global generator is not drawn from
+    uniforms(2, {0: torch.Generator().manual_seed(1), 1: torch.Generator().manual_seed(2)})
+    assert torch.equal(state, torch.get_rng_state())
 
 
 def test_vllms_cpu_sampler_takes_it():
