@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from actors.remote import RoleError
-    from rlhf.errors import ConfigError, EngineRestartsExhausted, PolicyRestartRefused
+    from rlhf.errors import ConfigError, EngineRestartsExhausted, PolicyRestartRefused, ShortBatch
     from rlhf.data.prompts import DatasetError
 
     try:
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (RoleError, EngineRestartsExhausted, PolicyRestartRefused) as e:  # a role failed, timed out or died
         print(f"rlhf {args.command}: {e}", file=sys.stderr)  # (beyond what the run survives): role, rank, method
+        return 1
+    except ShortBatch as e:  # dynamic sampling out of draws, with algorithm.fail_short_batch
+        print(f"rlhf {args.command}: {e}", file=sys.stderr)
         return 1
 
 

@@ -39,3 +39,8 @@ class EngineRestartsExhausted(RuntimeError):
 
 class PolicyRestartRefused(RuntimeError):
     """A trainer or reference rank died and the run cannot restart them: no checkpoint, or none left."""
+
+
+class ShortBatch(RuntimeError):
+    """DAPO's dynamic sampling ran out of draws (`algorithm.max_draws`) short of the batch, with
+    `algorithm.fail_short_batch`; the message says what to change."""

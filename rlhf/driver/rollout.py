@@ -14,11 +14,8 @@ import torch
 
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
 from rlhf.data.verifiers import RULES
+from rlhf.errors import ShortBatch
 from rlhf.schema import RewardKind, RunConfig
-
-
-class ShortBatch(RuntimeError):
-    """Dynamic sampling ran out of draws short of the batch, with `algorithm.fail_short_batch`."""
 
 
 @dataclass(frozen=True)

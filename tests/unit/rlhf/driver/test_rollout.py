@@ -17,7 +17,8 @@ from rlhf.schema import AlgorithmConfig, DataConfig, RewardKind, RolloutConfig, 
 from rlhf.data.prompts import PromptRow
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import build_tokenizer
-from rlhf.driver.rollout import ShortBatch, collect
+from rlhf.driver.rollout import collect
+from rlhf.errors import ShortBatch
 
 TOK = build_tokenizer(32)
 
@@ -192,3 +193,20 @@ def test_out_of_draws_the_step_trains_on_fewer_groups_or_stops_as_configured(str
     with pytest.raises(ShortBatch, match="step 3: dynamic sampling kept .* of data.prompts_per_step=6 .*max_draws=2"):
         collect(_cfg(stream, dynamic_sampling=True, max_draws=2, fail_short_batch=True), StandInRoles(1),
                 PromptSampler(_hard_rows(), 6, seed=0), TOK, step=3)
+
+
+def test_rlhf_train_reports_a_short_batch_as_one_line(monkeypatch, capsys):
+    """`rlhf train` stopped by fail_short_batch prints what to change (no traceback) and exits 1."""
+    import rlhf.driver
+    from rlhf.cli import main
+
+    def short(cfg, log):
+        raise ShortBatch("step 1: dynamic sampling kept 2 of data.prompts_per_step=6 groups; raise algorithm.max_draws")
+
+    monkeypatch.setattr(rlhf.driver, "train", short)
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[4] / "configs" / "tiny_cpu.yaml"
+    assert main(["train", str(config), "algorithm.fail_short_batch=true"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rlhf train: step 1: dynamic sampling kept") and "Traceback" not in err
