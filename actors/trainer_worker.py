@@ -22,7 +22,7 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
-from rlhf.host_memory import small_onednn_cache
+from rlhf.host_memory import small_onednn_cache, trim_heap
 from rlhf.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
@@ -133,10 +133,13 @@ class TrainerWorker(PolicyWorker):
         self.updated = False  # the last update ran to its end (what a sync queued behind it may send)
 
     def update(self, batch: TokenBatch, mini_batches: Sequence[Sequence[int]],
-               routes: RouteShare | RouteFetch | None = None) -> UpdateReply:
+               routes: RouteShare | RouteFetch | None = None, offload_next: bool = False) -> UpdateReply:
         """One policy update: for every epoch, one optimizer step per mini-batch (sample indices, the
         same on every rank). The loss of a mini-batch is normalised by its global token (or sequence)
-        count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient."""
+        count, so gradients summed over micro-batches and DP ranks are the mini-batch's gradient.
+        `offload_next` (co-location: the trainer is offloaded after the sync queued behind this update): on cpu
+        the heap pages the update freed go back now, before the sync's shared-memory staging is written, not at
+        the offload after it (the step's memory peak was the two at once)."""
         t0, self.updated = time.time(), False
         batch = self._with_routes(batch, routes)
         self.trainer.onload(self._device())
@@ -160,6 +163,8 @@ class TrainerWorker(PolicyWorker):
                 losses.append(out["loss"])
                 norms.append(out["grad_norm"])
         self.trainer.release_grads()  # before the sync queued behind this update: its memory goes back now
+        if offload_next and self.device_type is DeviceType.cpu:
+            trim_heap()
         n = max(record.tokens, 1.0)
         stats = UpdateStats(loss=sum(losses) / len(losses), grad_norm=max(norms), optimizer_steps=len(losses),
                             lr=out["lr"], clip_fraction=record.clip_fraction / n, ratio_mean=record.ratio / n,

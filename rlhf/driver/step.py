@@ -63,7 +63,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     batch = batch.with_(**extras)
     posted = None
     with run.phase("update", step):
-        sent = roles.submit(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes)
+        sent = roles.submit(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes, offload_next=switch)
         if switch and run.can_post_sync(step):  # synchronous loop, engines idle: the sync goes out behind the update
             posted = roles.submit_sync(run.inputs.sync, step, run.inputs.same_device, posted=True)
         try:

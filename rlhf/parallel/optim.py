@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+GATHER_BYTES = 32 << 20  # a ZeRO-1 bucket's stepped slices are gathered back this much of each at a time
+
 
 @dataclass
 class _Bucket:
@@ -82,13 +84,18 @@ class ShardedAdamW:
                 if b.size == 1:
                     if not _views_of(b.params, mine):  # no longer (an offload to another device copied them)
                         _write(b.params, 0, mine)
-                else:
-                    if mine.numel() < b.chunk:  # the last slice is padded (or empty) to the common length
-                        mine = torch.cat([mine, mine.new_zeros(b.chunk - mine.numel())])
-                    parts = [torch.empty_like(mine) for _ in range(b.size)]
-                    dist.all_gather(parts, mine, group=b.group)
-                    for i, part in enumerate(parts):
-                        _write(b.params, i * b.chunk, part[:max(0, min(b.chunk, b.numel - i * b.chunk))])
+                else:  # in pieces of GATHER_BYTES a slice: the gathered copy of a whole bucket peaked the step
+                    every = max(1, GATHER_BYTES // mine.element_size())
+                    for s in range(0, b.chunk, every):
+                        e = min(b.chunk, s + every)
+                        piece = mine[s:e]
+                        if piece.numel() < e - s:  # the last slice is padded (or empty) to the common length
+                            piece = torch.cat([piece, piece.new_zeros(e - s - piece.numel())])
+                        parts = [torch.empty_like(piece) for _ in range(b.size)]
+                        dist.all_gather(parts, piece, group=b.group)
+                        for i, part in enumerate(parts):
+                            at = i * b.chunk + s
+                            _write(b.params, at, part[:max(0, min(e - s, b.numel - at))])
                 b.master.grad = None
 
     # --- expert migration ---
