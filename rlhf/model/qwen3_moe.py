@@ -33,6 +33,12 @@ from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
 
+# bf16 under autocast on cpu: each expert's rows are padded with zero rows to a multiple of this. oneDNN runs those
+# matmuls and builds a primitive per shape (its cache holds 8 in a trainer, rlhf.host_memory); with the row counts
+# routing gives, nearly every expert and micro-batch made a new one, and their buffers fragmented the heap. Padded,
+# the small run's bf16 update is faster and each rank peaks 0.35 GB lower (docs/throughput.md, item 27).
+EXPERT_ROWS_MULTIPLE = 64
+
 
 def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids_BT.device) / head_dim))
@@ -191,11 +197,14 @@ class Experts(nn.Module):
         if dtype is not None:  # one cast of each stack per forward, not one per expert and call
             gate_up, down = gate_up.to(dtype), down.to(dtype)
         gate_up, down = gate_up.unbind(0), down.unbind(0)
+        multiple = EXPERT_ROWS_MULTIPLE if dtype is not None and x_RH.device.type == "cpu" else 1
         ys = []
         for e, n in enumerate(counts):
             if n:
-                gate, up = F.linear(rows[e], gate_up[e]).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, down[e]))
+                r = rows[e] if n % multiple == 0 else F.pad(rows[e], (0, 0, 0, multiple - n % multiple))
+                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, down[e])
+                ys.append(y if y.shape[0] == n else y[:n])  # zero rows in, their outputs dropped: no gradient
         if not ys:
             # No row for these experts (expert parallelism can send a rank none): zeros still tied to the input
             # and the weights, so the backward reaches the all-to-all that brought the rows and every rank of

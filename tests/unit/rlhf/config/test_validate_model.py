@@ -79,10 +79,11 @@ def test_compute_dtype_narrows_only_and_never_to_fp16():
 
 def test_a_cpu_kv_cache_too_small_for_one_sequence_is_refused_with_the_size_it_needs():
     small = PANGU.parent / "small_cpu.yaml"  # 8 layers x 4 KV heads x 64 x 2 x 4 bytes = 16 KiB a token, 4,096 tokens
-    assert load_run_config(small, ["rollout.cpu_kv_cache_gib=0.0625"]).rollout.cpu_kv_cache_gib == 0.0625
+    fp32 = "rollout.dtype=float32"
+    assert load_run_config(small, [fp32, "rollout.cpu_kv_cache_gib=0.0625"]).rollout.cpu_kv_cache_gib == 0.0625
     with pytest.raises(ConfigError, match=r"rollout.cpu_kv_cache_gib = 0.05: holds fewer tokens than one sequence of "
                                           r"model.max_position_embeddings=4096 .*: give at least 0.0625 GiB"):
-        load_run_config(small, ["rollout.cpu_kv_cache_gib=0.05"])
+        load_run_config(small, [fp32, "rollout.cpu_kv_cache_gib=0.05"])
     with pytest.raises(ConfigError, match="give at least 0.0312 GiB"):  # bf16 engines: half the bytes
         load_run_config(small, ["rollout.cpu_kv_cache_gib=0.01", "rollout.dtype=bfloat16"])
     # MLA keeps one latent + rope key per token and layer, whatever the heads: 3 layers x 576 x 4 bytes x 128 tokens

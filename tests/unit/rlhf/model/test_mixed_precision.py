@@ -113,3 +113,42 @@ def test_short_bf16_training_attention_takes_the_math_path_and_agrees_with_flash
     got.float().square().sum().backward()
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (qg, kg, vg))
     assert torch.equal(attention(q, k, v, mask, enable_gqa=True), sdpa(SDPBackend.FLASH_ATTENTION, q, k, v))  # fp32
+
+
+def test_bf16_expert_rows_padded_on_cpu_give_the_same_values_and_gradients(monkeypatch):
+    """`EXPERT_ROWS_MULTIPLE`: under bf16 autocast on cpu every expert matmul sees a multiple of it in rows (zero rows
+    appended, their outputs dropped); outputs and gradients as without the padding, within bf16 rounding of
+    the weight gradients' sums (the rows are the reduction there). fp32 is not padded."""
+    import rlhf.model.qwen3_moe as q
+
+    experts = Experts(QWEN)
+    g = torch.Generator().manual_seed(2)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.2, generator=g)
+    x = torch.randn(150, QWEN.hidden_size, generator=g)
+    chosen = torch.randint(0, QWEN.num_experts, (150,), generator=g)
+    rows, linear = [], torch.nn.functional.linear
+
+    def spy(inp, w, b=None):
+        rows.append(inp.shape[0])
+        return linear(inp, w, b)
+
+    def run(multiple, autocast=True):
+        monkeypatch.setattr(q, "EXPERT_ROWS_MULTIPLE", multiple)
+        rows.clear()
+        experts.zero_grad()
+        xx = x.clone().requires_grad_()
+        with torch.autocast(**BF16, enabled=autocast):
+            y = experts.forward_rows(xx, chosen)
+        y.float().square().sum().backward()
+        return [y.float(), xx.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()], list(rows)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    padded, padded_rows = run(64)
+    plain, plain_rows = run(1)
+    assert padded_rows and all(n % 64 == 0 for n in padded_rows) and any(n % 64 for n in plain_rows)
+    assert torch.equal(padded[0], plain[0])  # each row's output: the same dot products
+    for a, b in zip(padded[1:], plain[1:]):
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-4), (a - b).abs().max()
+    _, fp32_rows = run(64, autocast=False)
+    assert fp32_rows == plain_rows  # fp32 goes to BLAS: no padding

@@ -10,6 +10,7 @@ SMALL = Path(__file__).resolve().parents[4] / "configs" / "small_cpu.yaml"
 
 
 def test_bf16_compute_is_priced_as_bf16_and_stored_as_fp32():
-    fp32, bf16 = workload(load_run_config(SMALL)), workload(load_run_config(SMALL, ["trainer.compute_dtype=bfloat16"]))
+    fp32 = workload(load_run_config(SMALL, ["trainer.compute_dtype=float32"]))
+    bf16 = workload(load_run_config(SMALL, ["trainer.compute_dtype=bfloat16"]))
     assert (fp32.train_dtype, bf16.train_dtype) == ("float32", "bfloat16")
     assert fp32.train_bytes == bf16.train_bytes == 4
