@@ -27,7 +27,8 @@ OUT = REPO / "out" / "sim_accuracy"
 TINY = ["model.path=out/sim_accuracy/tiny", "data.train_files=[out/sim_accuracy/tiny/train.jsonl]",
         "data.heldout_files=[out/sim_accuracy/tiny/heldout.jsonl]", "algorithm.dynamic_sampling=false",
         "data.gen_prompts_per_step=0", "tracking.trace=false"]
-SMALL = ["tracking.trace=false"]
+# fp32, as the small runs of docs/simulate.md were measured (small_cpu.yaml ships bf16 since 2026-11-27)
+SMALL = ["tracking.trace=false", "trainer.compute_dtype=float32", "rollout.dtype=float32"]
 ONE_DEVICE = ["placement.trainer.devices=0", "placement.reference.devices=0", "placement.rollout.devices=0"]
 
 
