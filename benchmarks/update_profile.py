@@ -27,8 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
-           profile_memory: bool = False, memory_categories: bool = False) -> dict:
+           profile_memory: bool = False, memory_categories: bool = False,
+           expert_rows_multiple: int | None = None) -> dict:
     import torch
+
+    if expert_rows_multiple is not None:  # the bf16 experts' row padding on cpu (1: none)
+        import rlhf.model.qwen3_moe as qwen3_moe
+
+        qwen3_moe.EXPERT_ROWS_MULTIPLE = expert_rows_multiple
 
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
     from rlhf.batch import TokenBatch
@@ -119,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
     parser.add_argument("--memory-categories", action="store_true",
                         help="instead of the ops table: the profiled step's tensors at their peak by kind (tensor_peak_gb)")
+    parser.add_argument("--expert-rows-multiple", type=int, default=None,
+                        help="pad each expert's rows to a multiple of this under bf16 on cpu (1: no padding; default: "
+                             "rlhf.model.qwen3_moe.EXPERT_ROWS_MULTIPLE)")
     args = parser.parse_args(argv)
+    if args.expert_rows_multiple is not None and args.expert_rows_multiple < 1:
+        parser.error(f"--expert-rows-multiple {args.expert_rows_multiple}: give 1 (no padding) or more, e.g. 64")
     if args.memory_categories and args.ranks != 1:  # torch's memory profiler fails on the collectives' outputs
         parser.error("--memory-categories profiles one rank: give --ranks 1 (it holds every expert)")
     if args.micro_batch_tokens < 1:
@@ -138,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
-                        args.profile_memory, args.memory_categories, timeout_s=1800)
+                        args.profile_memory, args.memory_categories, args.expert_rows_multiple, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
+                      "expert_rows_multiple": args.expert_rows_multiple,
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}
                      | ({"tensor_peak_gb": {r: res["tensor_peak_gb"] for r, res in enumerate(results)}}

@@ -36,7 +36,7 @@ from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, R
 # bf16 under autocast on cpu: each expert's rows are padded with zero rows to a multiple of this. oneDNN runs those
 # matmuls and builds a primitive per shape (its cache holds 8 in a trainer, rlhf.host_memory); with the row counts
 # routing gives, nearly every expert and micro-batch made a new one, and their buffers fragmented the heap. Padded,
-# the small run's bf16 update is faster and each rank peaks 0.35 GB lower (docs/throughput.md, item 27).
+# each rank of the small run's bf16 update peaks 0.3 GB lower, no slower (docs/throughput.md, item 27).
 EXPERT_ROWS_MULTIPLE = 64
 
 

@@ -30,13 +30,18 @@ def test_the_router_chooses_in_fp32_under_autocast():
     assert all(torch.equal(a, b) for a, b in zip(got, want))  # bf16 logits would flip near-tied choices
 
 
-def test_experts_cast_their_stacks_once_and_compute_in_bf16():
+def experts_and_rows(seed: int, n: int):
+    """Random experts of QWEN's shape, n rows and the expert each row is routed to."""
     experts = Experts(QWEN)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     for p in experts.parameters():
         p.data.normal_(0, 0.2, generator=g)
-    x = torch.randn(40, QWEN.hidden_size, generator=g)
-    chosen = torch.randint(0, QWEN.num_experts, (40,), generator=g)
+    x = torch.randn(n, QWEN.hidden_size, generator=g)
+    return experts, x, torch.randint(0, QWEN.num_experts, (n,), generator=g)
+
+
+def test_experts_cast_their_stacks_once_and_compute_in_bf16():
+    experts, x, chosen = experts_and_rows(1, 40)
     with torch.autocast(**BF16):
         y = experts.forward_rows(x, chosen)
     ref = torch.stack([torch.nn.functional.linear(
@@ -121,12 +126,7 @@ def test_bf16_expert_rows_padded_on_cpu_give_the_same_values_and_gradients(monke
     the weight gradients' sums (the rows are the reduction there). fp32 is not padded."""
     import rlhf.model.qwen3_moe as q
 
-    experts = Experts(QWEN)
-    g = torch.Generator().manual_seed(2)
-    for p in experts.parameters():
-        p.data.normal_(0, 0.2, generator=g)
-    x = torch.randn(150, QWEN.hidden_size, generator=g)
-    chosen = torch.randint(0, QWEN.num_experts, (150,), generator=g)
+    experts, x, chosen = experts_and_rows(2, 150)
     rows, linear = [], torch.nn.functional.linear
 
     def spy(inp, w, b=None):
