@@ -165,10 +165,19 @@ class ShardedAdamW:
             with torch.no_grad():
                 b.master.copy_(tensors[f"{b.kind}/master"])
             self.opt.state[b.master] = {
-                "step": tensors[f"{b.kind}/step"].detach().clone(),  # stays on host, as torch keeps it
+                "step": self._step_tensor(tensors[f"{b.kind}/step"], b.master),
                 "exp_avg": tensors[f"{b.kind}/exp_avg"].detach().to(b.master.device, copy=True),
                 "exp_avg_sq": tensors[f"{b.kind}/exp_avg_sq"].detach().to(b.master.device, copy=True),
             }
+
+    def _step_tensor(self, step: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The step count where torch's AdamW keeps it: on the host, except for the fused and capturable
+        kernels, which read it on the parameter's device as float32 (a host step loaded from a checkpoint
+        stopped the fused CUDA kernel: "state_steps is on cpu", seen on an H200, 2026-11-27)."""
+        group = self.opt.param_groups[0]
+        if group.get("fused") or group.get("capturable"):
+            return step.detach().to(master.device, torch.float32, copy=True)
+        return step.detach().clone()
 
     def owned_tensors(self) -> list[torch.Tensor]:
         """Every tensor the optimizer owns (parameter slices, moments), for offload/onload."""
