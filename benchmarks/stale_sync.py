@@ -3,6 +3,8 @@
     python -m benchmarks.stale_sync                          # configs/tiny_cpu_disaggregated.yaml, 40 steps
     python -m benchmarks.stale_sync --rounds 2 --staleness 0 1
     python -m benchmarks.stale_sync --staleness 0 2 --partial   # also staleness 2 with partial rollouts
+    python -m benchmarks.stale_sync --config configs/tiny_cpu.yaml --staleness 0 1 \
+        --set algorithm.tis_cap=2 rollout.sleep_level=1          # co-located: the roles take turns
 
 Each run is `rlhf train CONFIG stale_sync.max_staleness=K eval_every=E` in its own process (own embedded Ray),
 the staleness values interleaved round by round so each sees the same machine. Outputs go under
@@ -35,8 +37,8 @@ PHASES = ("step", "generate", "wait_for_rollouts", "old_logprobs", "update", "we
 
 
 def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_every: int,
-             partial: bool = False) -> dict:
-    overrides = [f"stale_sync.max_staleness={staleness}", f"eval_every={eval_every}", f"output_dir={out}",
+             partial: bool = False, extra: tuple[str, ...] = ()) -> dict:
+    overrides = [*extra, f"stale_sync.max_staleness={staleness}", f"eval_every={eval_every}", f"output_dir={out}",
                  f"tracking.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.export_hf=false"]
     overrides += ["stale_sync.partial_rollout=true"] if partial else []
     overrides += [f"steps={steps}"] if steps else []
@@ -58,6 +60,10 @@ def run_once(config: Path, staleness: int, out: Path, steps: int | None, eval_ev
             # trainer's phases when staleness > 0)
             "phase_seconds_mean": {k: round(statistics.mean(m.get(f"time/{k}", 0.0) for m in steps), 3)
                                    for k in PHASES} if steps else {},
+            # co-located roles taking turns: the seconds a step's trainer and producer waited for the devices
+            "turn_wait_seconds_mean": {side: round(statistics.mean(m[f"stale/turn_wait_seconds_{side}"] for m in steps), 3)
+                                       for side in ("training", "rollout")}
+            if steps and "stale/turn_wait_seconds_training" in steps[0] else None,
             # (step, accuracy, seconds since the first evaluation started)
             "accuracy": [(s, a, round(t - t_eval[0], 1)) for (s, a), t in zip(r["heldout_accuracy_history"], t_eval)]}
 
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--partial", action="store_true",
                         help="also run each staleness above 0 with stale_sync.partial_rollout=true")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="overrides for every run (e.g. rollout.sleep_level=1)")
     args = parser.parse_args(argv)
     if 0 not in args.staleness:
         parser.error("--staleness must include 0: every figure is relative to the synchronous loop")
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.config import load_run_config
 
     config = Path(args.config)
-    prepare(load_run_config(config, [f"stale_sync.max_staleness={max(args.staleness)}"]))
+    prepare(load_run_config(config, [*args.set, f"stale_sync.max_staleness={max(args.staleness)}"]))
     keep_previous(OUT)
     variants = [(str(k), k, False) for k in args.staleness]  # (label, staleness, partial rollouts)
     variants += [(f"{k}+partial", k, True) for k in args.staleness if k and args.partial]
@@ -119,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.rounds):
         for label, k, partial in variants:
             print(f"stale_sync: round {i + 1}, staleness {label} ...", file=sys.stderr, flush=True)
-            r = run_once(config, k, OUT / f"s{label.replace('+', '_')}_r{i + 1}", args.steps, args.eval_every, partial)
+            r = run_once(config, k, OUT / f"s{label.replace('+', '_')}_r{i + 1}", args.steps, args.eval_every, partial,
+                         tuple(args.set))
             print(f"stale_sync: {json.dumps(r)}", file=sys.stderr, flush=True)
             if "failed" in r:
                 print(json.dumps({"failed": r}))
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 (t, a, accuracy_at(runs["0"][i]["accuracy"], t)) for i, r in enumerate(rs) for _, a, t in r["accuracy"]]
     svg({f"staleness {k} (round {i + 1})": r["accuracy"] for k, rs in runs.items() for i, r in enumerate(rs)},
         OUT / "accuracy_vs_time.svg")
-    print(json.dumps({"config": str(config), "rounds": args.rounds, "summary": summary,
+    print(json.dumps({"config": str(config), "overrides": args.set, "rounds": args.rounds, "summary": summary,
                       "runs": {k: rs for k, rs in runs.items()}, "plot": str(OUT / "accuracy_vs_time.svg")}))
     return 0
 

@@ -9,6 +9,12 @@ trains on this one, within the staleness bound, over DistQueue.
                       bound: older ones are dropped and counted), then `step.learn` as the synchronous loop
                       does: old logprobs, update, weight sync
 
+On devices the engines and the trainer share, awake engines (`rollout.sleep_level: 0`) generate beside the
+trainer as on devices of their own; engines that sleep while the trainer works take turns with it
+(`rlhf.driver.turns`): the producer holds the devices while its engines generate, the trainer from switching
+to training to switching back (as the synchronous loop switches), and reward scoring, dynamic sampling and
+the driver's work overlap the other side's turn.
+
 The producer and the sync meet at the engine actors, which run one call at a time: a sync issued while an
 engine generates waits for that generation to finish (its requests finish on the version they started
 with), then installs; the engine's next generation runs on the new version and says so in every sample
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +50,7 @@ from rlhf.data.versioned_queue import QueuedGroup
 from rlhf.driver.rollout import Rollout, collect
 from rlhf.driver.run import Run
 from rlhf.driver.step import learn
+from rlhf.driver.turns import DeviceTurns
 from rlhf.parity import logprob_parity
 from rlhf.routing import RouteRef
 from rlhf.schema import RunConfig
@@ -55,11 +62,26 @@ class ProducerError(RuntimeError):
     """The rollout producer failed; the cause names the role and rank that did (a RoleError)."""
 
 
+class _Stopping(Exception):
+    """The producer was stopped while it waited for the devices' turn."""
+
+
+def device_turns(run: Run) -> DeviceTurns | None:
+    """Turns for engines that share devices with the trainer and sleep while it works; None where the two
+    can compute at once (devices of their own, or awake engines: `rollout.sleep_level` 0)."""
+    shared = run.inputs.device_map.shared("trainer", "rollout")
+    if not shared or not run.cfg.rollout.sleep_level:
+        return None
+    trace = run.tracker.trace  # each turn on a row of its own: "devices/turns"
+    return DeviceTurns(WAIT_POLL_S, on_turn=lambda side, t0, dt: trace.add(f"{side} turn", "devices/turns", t0, dt,
+                                                                            run.at_step))
+
+
 class Producer:
     """Makes batches on a thread of its own, ahead of the trainer within the bound."""
 
-    def __init__(self, run: Run, queue: DistQueue, next_batch: int, next_seq: int):
-        self.run, self.queue = run, queue
+    def __init__(self, run: Run, queue: DistQueue, next_batch: int, next_seq: int, turns: DeviceTurns | None = None):
+        self.run, self.queue, self.turns = run, queue, turns
         self.cond = threading.Condition()
         self.served = run.step  # the version every engine serves
         self.next_batch, self.next_seq = next_batch, next_seq
@@ -92,7 +114,8 @@ class Producer:
                     b, self.busy = self.next_batch, True
                 run.producer_batch = b  # where chaos kills of its generation land
                 t0 = time.time()
-                ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b, run.route_stages)
+                ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b, run.route_stages,
+                             turn=self._turn)
                 run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
                 groups = to_groups(ro, b, self.next_seq)
                 self.queue.put(groups)
@@ -101,10 +124,21 @@ class Producer:
                     self.groups_made += len(groups)
                     self.busy = False
                     self.cond.notify_all()
+        except _Stopping:
+            with self.cond:
+                self.busy = False
+                self.cond.notify_all()
         except BaseException as e:  # reported to the trainer's thread, which raises it
             with self.cond:
                 self.error, self.busy = e, False
                 self.cond.notify_all()
+
+    def _turn(self):
+        return self.turns.hold("rollout", self._poll) if self.turns else nullcontext()
+
+    def _poll(self) -> None:
+        if self.stopping:
+            raise _Stopping
 
     def check(self) -> None:
         if self.error is not None:
@@ -278,7 +312,7 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
         producer.wait(lambda: producer.groups_made > made)
 
 
-def producer_from(run: Run, queue: DistQueue, ckpt: Path | None) -> Producer:
+def producer_from(run: Run, queue: DistQueue, ckpt: Path | None, turns: DeviceTurns | None = None) -> Producer:
     """A producer (not started) going on from checkpoint `ckpt` (None: from the run's step, nothing queued):
     a StaleSync checkpoint's queued groups are loaded to be trained on, not made again, and batches are made
     from its cursor."""
@@ -289,7 +323,7 @@ def producer_from(run: Run, queue: DistQueue, ckpt: Path | None) -> Producer:
         next_batch, next_seq = state["next_batch"], state["next_seq"]
         run.log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
     run.samples_dropped = queue.dropped * run.cfg.algorithm.group_size
-    producer = Producer(run, queue, next_batch, next_seq)
+    producer = Producer(run, queue, next_batch, next_seq, turns)
     run.wake_main = producer.notify
     run.extra_state = lambda d: {"stale_sync": {"queue": queue_state_saved(queue.state(), d),
                                                 "next_batch": producer.next_batch, "next_seq": producer.next_seq}}
@@ -299,9 +333,10 @@ def producer_from(run: Run, queue: DistQueue, ckpt: Path | None) -> Producer:
 def train_async(cfg: RunConfig, log) -> dict:
     run = Run.start(cfg, log)
     queue = producer = None
+    turns = device_turns(run)
     try:
         queue = DistQueue(cfg.stale_sync.queue_shards, timeout_s=run.roles.timeout_s)
-        producer = producer_from(run, queue, run.inputs.resume_dir)
+        producer = producer_from(run, queue, run.inputs.resume_dir, turns)
         acc_start = run.evaluate(run.step)
         producer.start()
         step = run.step + 1
@@ -317,7 +352,7 @@ def train_async(cfg: RunConfig, log) -> dict:
                     raise ProducerError(f"the rollout producer did not stop within {run.roles.timeout_s:.0f} s to "
                                         f"restart the trainer after: {died}") from e
                 run.restart_policy(died)  # the weights, optimizer, data cursor and RNG of the checkpoint
-                producer = producer_from(run, queue, run.last_checkpoint or run.inputs.resume_dir)
+                producer = producer_from(run, queue, run.last_checkpoint or run.inputs.resume_dir, turns)
                 producer.start()
                 step = run.step + 1
                 continue
@@ -341,10 +376,19 @@ def async_step(run: Run, queue: DistQueue, producer: Producer, step: int) -> Non
     with run.phase("wait for rollouts", step):
         groups = take_batch(run, queue, producer, step)
     ro = to_rollout(groups)
-    learned = learn(run, ro, step, switch=False)
-    run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
-    producer.serve(step)
-    acc = run.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps else None
+    turns = producer.turns
+    evaluate = step % cfg.eval_every == 0 or step == cfg.steps
+    if turns is None:
+        learned = learn(run, ro, step, switch=False)
+        run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
+        producer.serve(step)
+        acc = run.evaluate(step) if evaluate else None
+    else:  # the devices' turn: engines asleep and the trainer onloaded in it, as the synchronous loop switches
+        with turns.hold("training", lambda: (run.serve_recoveries(), producer.check())):
+            learned = learn(run, ro, step, switch=True)
+            run.serve_recoveries()
+            acc = run.evaluate(step) if evaluate else None  # the engines are awake again: still this turn
+        producer.serve(step)
     if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
         with producer.paused_between_batches():
             run.checkpoint(step)
@@ -359,5 +403,8 @@ def async_step(run: Run, queue: DistQueue, producer: Producer, step: int) -> Non
               "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
               "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
               "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.metrics
+    if turns is not None:  # how long each side waited for the devices since the last step
+        waited = turns.take_wait_seconds()
+        extra |= {f"stale/turn_wait_seconds_{side}": round(waited.get(side, 0.0), 3) for side in ("rollout", "training")}
     run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
                time.time() - t_step, extra)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,10 @@ class Rollout:
     groups_stopped: int = 0  # streamed rollouts: groups whose generation was stopped, the batch being full
 
 
-def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None) -> Rollout:
+def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, turn=nullcontext) -> Rollout:
     """`route_stages` (routing replay): each completion's routes stay in the object store, in blocks per
-    trainer stage of these MoE layers (`actors.roles.Roles.generate`).
+    trainer stage of these MoE layers (`actors.roles.Roles.generate`). `turn()`: a context held while the
+    engines generate (co-located StaleSync: the devices' turn, `rlhf.driver.turns`); scoring runs outside it.
 
     With `rollout.stream_groups` (and no routes to keep) each draw is streamed: every group is scored as soon
     as its engine finishes it, the groups are kept or filtered in prompt order as in a whole draw, and once
@@ -50,11 +52,13 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None) -
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
         seed = cfg.seed * 100_003 + step * 101 + draw
         d = Draw(cfg, rows, prompts, P - len(kept))
-        t0 = time.time()
-        if stream:
-            gen_s_draw, rew_s_draw = d.streamed(roles, tok, seed)
+        if stream:  # groups are scored as they finish: all of it in the turn
+            with turn():
+                gen_s_draw, rew_s_draw = d.streamed(roles, tok, seed)
         else:
-            comps = roles.generate(prompts, n=G, seed=seed, route_stages=route_stages)
+            with turn():
+                t0 = time.time()
+                comps = roles.generate(prompts, n=G, seed=seed, route_stages=route_stages)
             gen_s_draw, t0 = time.time() - t0, time.time()
             d.score(roles, tok, [(i, comps[i * G:(i + 1) * G]) for i in range(len(rows))])
             rew_s_draw = time.time() - t0

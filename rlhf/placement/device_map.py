@@ -119,6 +119,10 @@ class DeviceMap:
             return ()
         raise KeyError(f"no role {role!r} in this device map; it has {', '.join(self.role_names)}")
 
+    def shared(self, a: str, b: str) -> tuple[int, ...]:
+        """The devices roles `a` and `b` both use (co-location), in order."""
+        return tuple(sorted(set(self.devices_of(a)) & set(self.devices_of(b))))
+
     def ranks_of(self, role: str) -> int:
         for name, n in self.unplaced:
             if name == role:
@@ -232,13 +236,13 @@ def _build(cfg: RunConfig) -> tuple[DeviceMap | None, list[Problem]]:
         chosen[need.role] = devices
         problems += _role_problems(cfg, need, devices, text, default, per_engine)
     shared = sorted(set(chosen.get("trainer", ())) & set(chosen.get("rollout", ())))
-    if cfg.stale_sync.max_staleness > 0 and shared:
+    if cfg.stale_sync.max_staleness > 0 and shared and cfg.rollout.sleep_level and cfg.stale_sync.partial_rollout:
         problems.append(Problem(
-            "stale_sync.max_staleness", cfg.stale_sync.max_staleness,
-            f"needs the engines and the trainer on separate devices (both use device(s) {abbreviate(shared)}: "
-            "co-located roles take turns, so generation could not run during the update); use "
-            "placement/cpu_disaggregated.yaml or give placement.rollout.devices and placement.trainer.devices no "
-            "device in common, or set stale_sync.max_staleness=0"))
+            "stale_sync.partial_rollout", True,
+            f"the engines and the trainer share device(s) {abbreviate(shared)} and the engines sleep "
+            f"(rollout.sleep_level={cfg.rollout.sleep_level}), so they take turns: a sync never arrives during a "
+            "generation; drop partial_rollout, keep the engines awake (rollout.sleep_level=0), or give "
+            "placement.rollout.devices and placement.trainer.devices no device in common"))
     if problems:
         return None, problems
     roles = tuple((n.role, chosen[n.role]) for n in needs if n.role in chosen)

@@ -98,9 +98,13 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
              f"roles (defaults for unlisted roles: colocate = {str(p.colocate).lower()}):"]
     lines += [_role_line(cfg, dm, lay, il, role) for role in dm.role_names]
     st = cfg.stale_sync
+    shared = dm.shared("trainer", "rollout")
+    how = ("" if not shared else "; co-located with sleeping engines: generation and training take turns on devices "
+           f"{abbreviate(shared)}, host work overlaps" if cfg.rollout.sleep_level else
+           f"; co-located, engines awake: both compute at once on devices {abbreviate(shared)}")
     lines.append("loop: synchronous (generate, then train, then sync)" if not st.max_staleness else
                  f"loop: StaleSync, the engines generate ahead of the trainer, samples at most {st.max_staleness} "
-                 f"version(s) stale, partial rollouts {'on' if st.partial_rollout else 'off'} (docs/stale_sync.md)")
+                 f"version(s) stale, partial rollouts {'on' if st.partial_rollout else 'off'}{how} (docs/stale_sync.md)")
 
     routes = None
     if cfg.captures_routes:

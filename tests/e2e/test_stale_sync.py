@@ -16,14 +16,15 @@ from rlhf.driver.async_loop import ROUTE_BLOCKS, train_async
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/tiny_cpu_disaggregated.yaml"
+COLOCATED = REPO / "configs/tiny_cpu.yaml"  # the main job: every role on both devices
 # what a seed fixes; timings, and the staleness counters only the asynchronous driver logs, are left out
 SAME = ("reward/mean", "reward/std", "accuracy/train", "response/length_mean", "rollout/groups_drawn",
         "rollout/generated_tokens", "actor/loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy_old",
         "parity/max_abs_diff", "parity/mean_abs_diff", "parity/tokens", "sync/bytes_received", "sync/version")
 
 
-def _cfg(d: Path, out: Path, *extra: str):
-    return load_run_config(CONFIG, [
+def _cfg(d: Path, out: Path, *extra: str, config: Path = CONFIG):
+    return load_run_config(config, [
         f"model.path={d}", f"data.train_files=[{d / 'train.jsonl'}]", f"data.heldout_files=[{d / 'heldout.jsonl'}]",
         f"output_dir={out}", f"tracking.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.export_hf=false",
         *extra])
@@ -105,6 +106,36 @@ def test_a_dead_engine_is_replaced_under_stalesync_and_every_group_is_trained_on
     assert result["staleness_max"] <= 1 and result["samples_dropped"] == 0
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(6)]
     assert steps[-1]["faults/engine_restarts"] == 3 and result["parity_violations"] == 0
+
+
+def test_co_located_engines_that_sleep_take_turns_with_the_trainer(tiny, ray_session, tmp_path):
+    """The main job's co-located placement with sleeping engines at staleness 1: generation and the trainer's
+    work take turns on the shared devices. Every trainer rank's old-logprob and update calls fall within a
+    training turn and no rollout turn overlaps one, yet the engines still generate ahead (staleness 1); an
+    engine killed during the producer's turn is replaced by the trainer's thread while it waits for its turn
+    (no deadlock), and every group is trained on once, in order."""
+    d, _ = tiny
+    out = tmp_path / "turns"
+    result = train(_cfg(d, out, "steps=5", "eval_every=100", "stale_sync.max_staleness=1", "algorithm.tis_cap=2",
+                        "rollout.sleep_level=1", "chaos.kill_engines=[0@3]", config=COLOCATED))
+    P = 32
+    steps = _steps(out)
+    assert result["steps_run"] == 5 and result["engine_restarts"] == 1 and result["samples_dropped"] == 0
+    assert max(m["stale/staleness_max"] for m in steps) == 1 and result["parity_violations"] == 0
+    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(5)]
+    assert all("stale/turn_wait_seconds_training" in m for m in steps)
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+
+    def spans(name):  # (start, end) in microseconds
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
+
+    rollout, training, slack = spans("rollout turn"), spans("training turn"), 1e3  # µs: rounding, clocks
+    assert len(training) == 5 and len(rollout) >= 5
+    assert all(r1 <= t0 + slack or t1 <= r0 + slack for r0, r1 in rollout for t0, t1 in training)  # never both
+    for name in ("old logprobs", "update"):
+        calls = spans(name)
+        assert len(calls) >= 5 * 2, name  # each step, each trainer rank
+        assert all(any(t0 - slack <= c0 and c1 <= t1 + slack for t0, t1 in training) for c0, c1 in calls), name
 
 
 def test_a_dead_producer_is_reported_with_its_role_and_rank(tiny, ray_session, tmp_path):

@@ -32,16 +32,20 @@ def test_grpo_takes_the_same_options_one_by_one(tmp_path):
     assert _load(tmp_path, "algorithm.clip_eps_high=0.28").algorithm.estimator is Estimator.grpo
 
 
-def test_stale_sync_needs_a_behaviour_weight_and_separate_devices(tmp_path):
+def test_stale_sync_needs_a_behaviour_weight_and_co_located_turns_refuse_partial_rollouts(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap = 0.0: stale_sync.max_staleness > 0 trains on samples"):
         _load(tmp_path, "stale_sync.max_staleness=1")
     with pytest.raises(ConfigError, match="token-level importance weight"):
         _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.estimator=gspo")
-    with pytest.raises(ConfigError, match=r"stale_sync.max_staleness = 1: needs the engines and the trainer on "
-                                          r"separate devices \(both use device\(s\) 0"):
-        _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2")  # the default placement co-locates
-    cfg = _load(tmp_path, "stale_sync.max_staleness=2", "algorithm.tis_cap=2", "placement.colocate=false")
-    assert cfg.stale_sync.max_staleness == 2
+    # co-located (the default placement) with sleeping engines: the roles take turns, no sync meets a generation
+    with pytest.raises(ConfigError, match=r"stale_sync.partial_rollout = True: the engines and the trainer share "
+                                          r"device\(s\) 0.*take turns"):
+        _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2", "stale_sync.partial_rollout=true")
+    turns = _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2")  # co-located, taking turns
+    awake = _load(tmp_path, "stale_sync.max_staleness=1", "algorithm.tis_cap=2", "rollout.sleep_level=0",
+                  "stale_sync.partial_rollout=true")  # co-located, both resident: syncs can meet generations
+    apart = _load(tmp_path, "stale_sync.max_staleness=2", "algorithm.tis_cap=2", "placement.colocate=false")
+    assert (turns.rollout.sleep_level, awake.stale_sync.partial_rollout, apart.stale_sync.max_staleness) == (2, True, 2)
 
 
 def test_r2_replay_needs_an_old_logprob_forward():

@@ -296,3 +296,12 @@ def test_cli_plan_cm384_async_has_separate_pools(capsys):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["roles"] == {"trainer": 256, "rollout": 128, "reward": 1}
     assert result["bytes_same_device"] == 0 and result["bytes_network"] == result["bytes_minimal"]
+
+
+def test_cli_plan_says_how_co_located_stalesync_runs(capsys):
+    """Co-located at staleness 1: sleeping engines take turns with the trainer, awake ones compute beside it."""
+    base = [str(ROOT / "configs/tiny_cpu.yaml"), "stale_sync.max_staleness=1", "algorithm.tis_cap=2"]
+    assert main(["plan", *base, "rollout.sleep_level=1"]) == 0
+    assert "generation and training take turns on devices 0-1, host work overlaps" in capsys.readouterr().err
+    assert main(["plan", *base]) == 0  # the main job's engines stay awake (rollout.sleep_level 0)
+    assert "co-located, engines awake: both compute at once on devices 0-1" in capsys.readouterr().err
