@@ -85,6 +85,22 @@ class TokenBatch:
     def response_tokens(self) -> int:
         return int(self.mask_BT.sum())
 
+    def response_rows(self, values_BT: torch.Tensor) -> list[list[float]]:
+        """Each sample's values at its response tokens (where `mask_BT` is 1), in order: JSON-able, and
+        `response_matrix` of a batch of the same samples, however padded, puts them back exactly."""
+        m = self.mask_BT.bool()
+        return [values_BT[i][m[i]].float().tolist() for i in range(len(self))]
+
+    def response_matrix(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
+        """[B, T-1]: `rows` (one per sample, `response_rows`) at the response tokens, 0 elsewhere."""
+        out = torch.zeros_like(self.mask_BT)
+        m = self.mask_BT.bool()
+        for i, r in enumerate(rows):
+            if len(r) != int(m[i].sum()):
+                raise ValueError(f"sample {i}: {len(r)} values for {int(m[i].sum())} response tokens")
+            out[i][m[i]] = torch.tensor(r, dtype=out.dtype)
+        return out
+
     def with_(self, **fields) -> "TokenBatch":
         return replace(self, **fields)
 

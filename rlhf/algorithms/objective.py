@@ -75,8 +75,9 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
                               cfg.loss_aggregation, normaliser, tis)
     loss = stats.loss
     kl = torch.zeros(())
-    if "ref_logp" in extras:
-        kl_BT = kl_penalty(logp_BT, extras["ref_logp"], cfg.kl_estimator)
+    if "ref_logp" in extras:  # outside the response the reference may be absent (0: computed ahead, StaleSync):
+        ref = torch.where(mask > 0, extras["ref_logp"], logp_BT.detach())  # there KL is 0, never exp overflow
+        kl_BT = kl_penalty(logp_BT, ref, cfg.kl_estimator)
         kl = (kl_BT * mask).sum() / mask.sum().clamp(min=1)
         if cfg.kl_coef > 0 and not cfg.kl_in_reward:
             loss = loss + cfg.kl_coef * aggregate(kl_BT, mask, _aggregation(cfg), normaliser)
@@ -101,4 +102,5 @@ def on_policy(cfg: AlgorithmConfig, epochs: int, mini_batches: int) -> bool:
 def kl_reward_penalty(cfg: AlgorithmConfig, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor,
                       mask_BT: torch.Tensor) -> torch.Tensor:
     """`kl_in_reward`: kl_coef times each sequence's summed KL estimate, to subtract from its reward. [B]"""
+    ref_logp_BT = torch.where(mask_BT > 0, ref_logp_BT, old_logp_BT)  # 0 outside the response: see policy_loss
     return cfg.kl_coef * (kl_penalty(old_logp_BT, ref_logp_BT, cfg.kl_estimator) * mask_BT).sum(1)

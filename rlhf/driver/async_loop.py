@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -82,6 +83,9 @@ class Producer:
 
     def __init__(self, run: Run, queue: DistQueue, next_batch: int, next_seq: int, turns: DeviceTurns | None = None):
         self.run, self.queue, self.turns = run, queue, turns
+        # the reference scores each batch as soon as it is made, beside the trainer's step; taking turns, it
+        # stays in the trainer's turn (it shares the devices)
+        self.reference_ahead = bool(run.roles.reference) and turns is None
         self.cond = threading.Condition()
         self.served = run.step  # the version every engine serves
         self.next_batch, self.next_seq = next_batch, next_seq
@@ -117,6 +121,8 @@ class Producer:
                 ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b, run.route_stages,
                              turn=self._turn)
                 run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
+                if self.reference_ahead:
+                    ro = self._with_reference(ro, b)
                 groups = to_groups(ro, b, self.next_seq)
                 self.queue.put(groups)
                 with self.cond:
@@ -132,6 +138,21 @@ class Producer:
             with self.cond:
                 self.error, self.busy = e, False
                 self.cond.notify_all()
+
+    def _with_reference(self, ro: Rollout, b: int) -> Rollout:
+        """Batch b with its reference logprobs. A reference rank that fails here leaves them to the step that
+        trains on the batch, where the failure takes the trainer's restart path (`Run.dead_policy_rank`)."""
+        run = self.run
+        batch, t0 = run.token_batch(ro), time.time()
+        try:
+            ref_BT, _, replies = run.roles.logprobs(run.roles.reference, run.put(batch))
+            run.roles.all(run.roles.reference, "offload")
+        except RoleError as e:
+            run.log(f"batch {b}: reference logprobs left to the step: {e}")
+            return ro
+        run.trace_ranks("reference logprobs", run.roles.reference, replies, b)
+        run.tracker.trace.add("reference logprobs", "driver/producer", t0, time.time() - t0, b)
+        return replace(ro, ref_logp=batch.response_rows(ref_BT))
 
     def _turn(self):
         return self.turns.hold("rollout", self._poll) if self.turns else nullcontext()
@@ -217,6 +238,8 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
                                     list(c.token_versions), c.routes] for c in comps],
                    "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
                    "batch_stats": stats if i == 0 else None}
+        if ro.ref_logp is not None:
+            payload["ref_logp"] = ro.ref_logp[i * G:(i + 1) * G]
         out.append(QueuedGroup(first_seq + i, batch, min(c.weight_version for c in comps), payload))
     return out
 
@@ -280,8 +303,10 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
             rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
             stopped += s.get("stopped", 0)  # none in checkpoints written before streamed rollouts
+    ref = [g.payload.get("ref_logp") for g in groups]  # none in checkpoints written before it
     return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
-                   torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped)
+                   torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped,
+                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None)
 
 
 def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:

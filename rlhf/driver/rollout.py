@@ -31,6 +31,9 @@ class Rollout:
     reward_seconds: float
     generated_tokens: int  # of the groups that finished (a stopped group's tokens are not counted)
     groups_stopped: int = 0  # streamed rollouts: groups whose generation was stopped, the batch being full
+    # StaleSync: each completion's reference logprobs at its response tokens, computed as soon as its batch was
+    # made (`TokenBatch.response_rows`); None: the step computes them
+    ref_logp: list | None = None
 
 
 def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, turn=nullcontext) -> Rollout:

@@ -55,7 +55,10 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
             old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch), routes)
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
         differs = batch_route_differs(replies)
-    ref_logp = run.reference_logprobs(batch, step)  # without routes: the policy's are not the reference's
+    if ro.ref_logp is not None:  # computed beside an earlier step (StaleSync: `async_loop.Producer`)
+        ref_logp = batch.response_matrix(ro.ref_logp)
+    else:  # without routes: the policy's are not the reference's
+        ref_logp = run.reference_logprobs(batch, step)
     rewards_PG = ro.rewards_PG
     if cfg.algorithm.kl_in_reward and ref_logp is not None:
         rewards_PG = rewards_PG - kl_reward_penalty(cfg.algorithm, old_logp, ref_logp, batch.mask_BT).view_as(rewards_PG)

@@ -35,13 +35,21 @@ def _steps(out: Path) -> list[dict]:
 
 
 def test_staleness_zero_is_the_synchronous_loop(tiny, ray_session, tmp_path):
+    """With a KL term to a reference model: the asynchronous driver's producer computes each batch's reference
+    logprobs as soon as the batch is made, the synchronous loop in the step; the metrics are the same."""
     d, _ = tiny
-    sync = train(_cfg(d, tmp_path / "sync", "steps=3", "eval_every=3"))
-    asyn = train_async(_cfg(d, tmp_path / "async", "steps=3", "eval_every=3"), log=lambda m: None)
+    kl = "algorithm.kl_coef=0.01"
+    sync = train(_cfg(d, tmp_path / "sync", "steps=3", "eval_every=3", kl))
+    asyn = train_async(_cfg(d, tmp_path / "async", "steps=3", "eval_every=3", kl), log=lambda m: None)
     assert asyn["heldout_accuracy_history"] == sync["heldout_accuracy_history"]
     assert asyn["staleness_max"] == 0 and asyn["samples_dropped"] == 0
     a, s = _steps(tmp_path / "async"), _steps(tmp_path / "sync")
-    assert [{k: m[k] for k in SAME} for m in a] == [{k: m[k] for k in SAME} for m in s]
+    assert [{k: m[k] for k in SAME + ("actor/kl",)} for m in a] == [{k: m[k] for k in SAME + ("actor/kl",)} for m in s]
+    assert all(m["actor/kl"] > 0 for m in s[1:])  # the policy moved away from the reference
+    events = json.loads((tmp_path / "async" / "trace.json").read_text())["traceEvents"]
+    ahead = [e for e in events if e.get("name") == "reference logprobs" and e.get("ph") == "X"]
+    assert len({e["args"]["step"] for e in ahead}) >= 3  # made with each batch, not in the step (below)
+    assert all("time/reference_logprobs" not in m for m in a) and all("time/reference_logprobs" in m for m in s)
     assert all(m["stale/fresh_fraction"] == 1.0 for m in a)
 
 

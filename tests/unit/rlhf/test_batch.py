@@ -1,6 +1,7 @@
 """TokenBatch: response masks and engine logprobs line up with token_logprobs' positions, and the
 DP micro-batches cover every sample exactly once."""
 
+import pytest
 import torch
 
 from rlhf.batch import TokenBatch
@@ -78,3 +79,21 @@ def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
             for dense, mine in zip(b.micro_batches(c, 2, d, 12), on_rank.micro_batches(c, 2, d, 12)):
                 assert torch.equal(mine.routes_BTLk[:, :, 2], dense.routes_BTLk[:, :, 2])
                 assert (mine.routes_BTLk[:, :, :2] == -1).all()
+
+
+def test_response_rows_go_back_exactly_into_a_batch_padded_otherwise():
+    """StaleSync computes reference logprobs when a batch is made and the step's batch may pad the same samples
+    to another length: the values at each response token come back bit for bit, 0 elsewhere."""
+    prompts, responses = [[1, 5, 6], [1, 7]], [[9, 2], [8, 8, 2]]
+    made = TokenBatch.from_samples(prompts, responses)
+    values = torch.randn(2, made.mask_BT.shape[1], dtype=torch.float32)
+    rows = made.response_rows(values)
+    assert [len(r) for r in rows] == [2, 3]
+    longer = TokenBatch.from_samples(prompts + [[1]], responses + [[4, 4, 4, 4, 4, 2]])  # padded to 7 tokens
+    back = longer.response_matrix(rows + [[0.5] * 6])
+    m = made.mask_BT.bool()
+    assert torch.equal(back[0][longer.mask_BT[0].bool()], values[0][m[0]])
+    assert torch.equal(back[1][longer.mask_BT[1].bool()], values[1][m[1]])
+    assert torch.equal(back[~longer.mask_BT.bool()], torch.zeros(int((~longer.mask_BT.bool()).sum())))
+    with pytest.raises(ValueError, match="sample 2: 5 values for 6 response tokens"):
+        longer.response_matrix(rows + [[0.5] * 5])

@@ -65,3 +65,23 @@ def test_estimators_choose_their_advantages():
     assert grpo[4:].abs().max() == 0 and grpo[:4].sum().abs() < 1e-6
     rpp = advantages(AlgorithmConfig(estimator=Estimator.reinforce_pp), r)
     assert rpp.mean().abs() < 1e-6 and abs(float(rpp.std()) - 1) < 1e-4
+
+
+def test_kl_ignores_the_reference_outside_the_response():
+    """A reference known only at the response tokens (0 elsewhere: StaleSync computes it ahead) gives the same
+    loss and gradients as the full one, with no overflow where the policy's logprob is very low (k3's exp)."""
+    cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k3")
+    extras = _batch()
+    mask = extras["mask"]
+    logp = (-torch.rand(mask.shape) - 100 * (1 - mask)).requires_grad_()  # -100 outside: exp(100) overflows
+    ahead = dict(extras, ref_logp=extras["ref_logp"] * mask)
+    losses, grads = [], []
+    for ex in (extras, ahead):
+        loss = policy_loss(cfg, logp, torch.zeros_like(logp), ex, loss_normaliser(cfg, mask))
+        (g,) = torch.autograd.grad(loss, logp)
+        losses.append(loss.detach())
+        grads.append(g)
+    assert torch.isfinite(losses[1]) and torch.isfinite(grads[1]).all()
+    assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
+    pen = [kl_reward_penalty(cfg, logp.detach(), ex["ref_logp"], mask) for ex in (extras, ahead)]
+    assert torch.equal(pen[0], pen[1]) and torch.isfinite(pen[1]).all()
