@@ -85,7 +85,7 @@ class Producer:
         self.run, self.queue, self.turns = run, queue, turns
         # the reference scores each batch as soon as it is made, beside the trainer's step; taking turns, it
         # stays in the trainer's turn (it shares the devices)
-        self.reference_ahead = bool(run.roles.reference) and turns is None
+        self.reference_ahead = bool(run.roles and run.roles.reference) and turns is None
         self.cond = threading.Condition()
         self.served = run.step  # the version every engine serves
         self.next_batch, self.next_seq = next_batch, next_seq

@@ -139,7 +139,7 @@ def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
 
     P, sizes = 3, {1: 3, 2: 2, 3: 3, 4: 3}  # batch 2 comes back one group short
 
-    def collect(cfg, roles, sampler, tok, b, route_stages=None):
+    def collect(cfg, roles, sampler, tok, b, route_stages=None, turn=None):
         ro = _rollout(P=sizes[b])
         return replace(ro, completions=[replace(c, weight_version=0, token_versions=(0, 0)) for c in ro.completions])
 
