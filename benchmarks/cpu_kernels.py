@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind three choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind four choices, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -7,7 +7,9 @@
 - attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
   SDPA's flash kernel against its math path (`rlhf.model.layers.attention`'s choice);
 - one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
-  loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work.
+  loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work;
+- the trainer's bf16 expert loop, forward and backward, with each expert's rows padded to a multiple of
+  `EXPERT_ROWS_MULTIPLE` and without, routed uniformly, skewed, and over many small experts (`expert_padding`).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -90,17 +92,60 @@ def experts(repeats: int) -> dict:
             "padding": round(max(counts) * E / R, 2)}
 
 
+def expert_padding(repeats: int) -> dict:
+    """The trainer's bf16 expert loop on cpu (`Experts.forward_rows`: gate_up, SwiGLU, down for each expert,
+    forward and backward) with each expert's rows zero-padded to a multiple of 64 (`EXPERT_ROWS_MULTIPLE`, what
+    the trainer does under bf16 on cpu) and without, a new routing every call as every micro-batch brings one:
+    uniform over 16 experts (the small run's shape, ~256 rows an expert), skewed (expert e drawn with weight
+    1 / (e + 1)), and fine-grained (64 experts, ~32 rows each, where padding to 64 about doubles the rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    from rlhf.model.qwen3_moe import EXPERT_ROWS_MULTIPLE
+
+    H, I = 512, 256
+    out: dict = {"expert_rows_multiple": EXPERT_ROWS_MULTIPLE}
+    for name, (E, R, skewed) in {"uniform16": (16, 4096, False), "skewed16": (16, 4096, True),
+                                 "fine64": (64, 2048, False)}.items():
+        g = torch.Generator().manual_seed(3)
+        weights = 1 / torch.arange(1, E + 1).float() if skewed else torch.ones(E)
+        routings = [torch.bincount(torch.multinomial(weights, R, replacement=True, generator=g), minlength=E).tolist()
+                    for _ in range(repeats + 1)]
+        x = torch.randn(R, H, generator=g).bfloat16()
+        gate_up = torch.randn(E, 2 * I, H, generator=g).bfloat16().requires_grad_()
+        down = torch.randn(E, H, I, generator=g).bfloat16().requires_grad_()
+        for multiple in (1, EXPERT_ROWS_MULTIPLE):
+            calls = iter(routings)
+
+            def call():
+                counts = next(calls)
+                rows, gu, dn, ys = x.split(counts), gate_up.unbind(0), down.unbind(0), []
+                for e, n in enumerate(counts):
+                    if n:
+                        r = rows[e] if n % multiple == 0 else F.pad(rows[e], (0, 0, 0, multiple - n % multiple))
+                        gate, up = F.linear(r, gu[e]).chunk(2, dim=-1)
+                        ys.append(F.linear(F.silu(gate) * up, dn[e])[:n])
+                torch.cat(ys).float().sum().backward()
+
+            out[f"{name}_ms_rows_multiple_{multiple}"] = _ms(call, repeats)
+        rows_done = sum(-(-n // EXPERT_ROWS_MULTIPLE) * EXPERT_ROWS_MULTIPLE for n in routings[0])
+        out[f"{name}_padded_over_plain"] = round(out[f"{name}_ms_rows_multiple_{EXPERT_ROWS_MULTIPLE}"]
+                                                 / out[f"{name}_ms_rows_multiple_1"], 2)
+        out[f"{name}_padded_rows_over_rows"] = round(rows_done / R, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
-    parser.add_argument("--only", choices=("sampling", "attention", "experts"), default=None)
+    parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding"), default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
     import torch
 
     torch.set_num_threads(1)
-    parts = {"sampling": sampling, "attention": attention, "experts": experts}
+    parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

@@ -90,3 +90,22 @@ def test_eager_cpu_engines_compile_nothing_on_any_thread(tmp_path):
     assert eager.stdout.split() == ["[3,", "3,", "3]", "1", "False"]  # same result, env for workers, nothing traced
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert compiled.stdout.split()[-2:] == ["None", "True"]
+
+
+def test_fp32_mla_engines_on_cpu_take_the_reference_mla_backend(tmp_path):
+    """vLLM's AMX MLA kernels (its choice on cpus with AMX tiles) take bf16 weights only: an fp32 DeepSeek-V3
+    family engine on cpu asks for the reference cpu MLA backend; bf16, other models and GPUs keep vLLM's choice."""
+    import json
+
+    from actors.vllm_platform import attention_kwargs
+    from rlhf.schema import DeviceType, DType, RolloutConfig
+
+    mla, qwen = tmp_path / "mla", tmp_path / "qwen"
+    for d, kind in ((mla, "deepseek_v3"), (qwen, "qwen3_moe")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": kind}))
+    fp32, bf16 = RolloutConfig(dtype=DType.float32), RolloutConfig(dtype=DType.bfloat16)
+    assert attention_kwargs(DeviceType.cpu, fp32, mla) == {"attention_config": {"backend": "CPU_MLA"}}
+    assert attention_kwargs(DeviceType.cpu, bf16, mla) == {}
+    assert attention_kwargs(DeviceType.cpu, fp32, qwen) == {}
+    assert attention_kwargs(DeviceType.cuda, fp32, mla) == {}

@@ -17,3 +17,12 @@ def test_bad_repeats_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--repeats", "0"])
     assert "give at least 1" in capsys.readouterr().err
+
+
+def test_expert_padding_part_times_both_and_counts_the_padded_rows(capsys):
+    main(["--only", "expert_padding", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for case in ("uniform16", "skewed16", "fine64"):
+        assert out[f"{case}_ms_rows_multiple_1"] > 0 and out[f"{case}_ms_rows_multiple_64"] > 0
+    # ~32 rows an expert padded to 64 doubles them; ~256 rows an expert pad by an eighth at most
+    assert out["fine64_padded_rows_over_rows"] > 1.5 and out["uniform16_padded_rows_over_rows"] < 1.15
