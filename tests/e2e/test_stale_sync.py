@@ -121,16 +121,22 @@ def test_co_located_engines_that_sleep_take_turns_with_the_trainer(tiny, ray_ses
     work take turns on the shared devices. Every trainer rank's old-logprob and update calls fall within a
     training turn and no rollout turn overlaps one, yet the engines still generate ahead (staleness 1); an
     engine killed during the producer's turn is replaced by the trainer's thread while it waits for its turn
-    (no deadlock), and every group is trained on once, in order."""
+    (no deadlock); a trainer rank killed in its turn's update (engines asleep) restarts every rank from the
+    step-2 checkpoint; every group is trained on once, in order."""
     d, _ = tiny
     out = tmp_path / "turns"
     result = train(_cfg(d, out, "steps=5", "eval_every=100", "stale_sync.max_staleness=1", "algorithm.tis_cap=2",
-                        "rollout.sleep_level=1", "chaos.kill_engines=[0@3]", config=COLOCATED))
+                        "rollout.sleep_level=1", "chaos.kill_engines=[0@3]", "chaos.kill_trainer_ranks=[1@4]",
+                        "checkpoint.every_steps=2", config=COLOCATED))
     P = 32
-    steps = _steps(out)
-    assert result["steps_run"] == 5 and result["engine_restarts"] == 1 and result["samples_dropped"] == 0
+    lines = _steps(out)
+    assert [m["step"] for m in lines] == [1, 2, 3, 3, 4, 5]  # step 3 redone after the restart: the later line counts
+    steps = [m for i, m in enumerate(lines) if i + 1 == len(lines) or lines[i + 1]["step"] != m["step"]]
+    assert result["steps_run"] == 5 and result["samples_dropped"] == 0
+    assert result["engine_restarts"] == 1 and result["trainer_restarts"] == 1
     assert max(m["stale/staleness_max"] for m in steps) == 1 and result["parity_violations"] == 0
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(5)]
+    assert lines[2]["actor/loss"] == lines[3]["actor/loss"]  # the redone step: the same groups, the same update
     assert all("stale/turn_wait_seconds_training" in m for m in steps)
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
 
@@ -138,11 +144,11 @@ def test_co_located_engines_that_sleep_take_turns_with_the_trainer(tiny, ray_ses
         return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
 
     rollout, training, slack = spans("rollout turn"), spans("training turn"), 1e3  # µs: rounding, clocks
-    assert len(training) == 5 and len(rollout) >= 5
+    assert len(training) >= 6 and len(rollout) >= 5  # six steps trained, one more turn cut short by the kill
     assert all(r1 <= t0 + slack or t1 <= r0 + slack for r0, r1 in rollout for t0, t1 in training)  # never both
     for name in ("old logprobs", "update"):
         calls = spans(name)
-        assert len(calls) >= 5 * 2, name  # each step, each trainer rank
+        assert len(calls) >= 6 * 2, name  # each step trained, each trainer rank
         assert all(any(t0 - slack <= c0 and c1 <= t1 + slack for t0, t1 in training) for c0, c1 in calls), name
 
 
