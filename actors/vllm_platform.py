@@ -6,7 +6,6 @@ ZeroMQ socket files vLLM binds in the temp directory (never unlinked, even on a 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import shutil
@@ -90,9 +89,12 @@ def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> 
     picks its AMX MLA kernels for DeepSeek-V3 family models, which take bf16 weights only ("expect weight to
     be bfloat16, ...": fp32 engines failed to start on this project's machines on 2026-11-27); other dtypes
     get its reference cpu MLA backend, the one chosen on cpus without AMX."""
-    config = Path(model_dir) / "config.json"
-    mla = config.is_file() and json.loads(config.read_text()).get("model_type") == "deepseek_v3"
-    if device_type is DeviceType.cpu and mla and cfg.dtype.value != "bfloat16":
+    if device_type is not DeviceType.cpu or cfg.dtype.value == "bfloat16":
+        return {}
+    from rlhf.model.hf_io import load_config
+    from rlhf.schema import Attention
+
+    if load_config(model_dir).attention is Attention.mla:
         return {"attention_config": {"backend": "CPU_MLA"}}
     return {}
 

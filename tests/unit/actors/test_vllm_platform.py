@@ -96,14 +96,18 @@ def test_fp32_mla_engines_on_cpu_take_the_reference_mla_backend(tmp_path):
     """vLLM's AMX MLA kernels (its choice on cpus with AMX tiles) take bf16 weights only: an fp32 DeepSeek-V3
     family engine on cpu asks for the reference cpu MLA backend; bf16, other models and GPUs keep vLLM's choice."""
     import json
+    from pathlib import Path
 
     from actors.vllm_platform import attention_kwargs
+    from rlhf.config import load_model_config
+    from rlhf.model.hf_io import hf_config
     from rlhf.schema import DeviceType, DType, RolloutConfig
 
+    models = Path(__file__).resolve().parents[3] / "configs" / "model"
     mla, qwen = tmp_path / "mla", tmp_path / "qwen"
-    for d, kind in ((mla, "deepseek_v3"), (qwen, "qwen3_moe")):
+    for d, yaml in ((mla, "pangu_moe_tiny.yaml"), (qwen, "qwen3_moe_tiny.yaml")):
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": kind}))
+        (d / "config.json").write_text(json.dumps(hf_config(load_model_config(models / yaml))))
     fp32, bf16 = RolloutConfig(dtype=DType.float32), RolloutConfig(dtype=DType.bfloat16)
     assert attention_kwargs(DeviceType.cpu, fp32, mla) == {"attention_config": {"backend": "CPU_MLA"}}
     assert attention_kwargs(DeviceType.cpu, bf16, mla) == {}
