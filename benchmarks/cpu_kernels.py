@@ -93,45 +93,45 @@ def experts(repeats: int) -> dict:
 
 
 def expert_padding(repeats: int) -> dict:
-    """The trainer's bf16 expert loop on cpu (`Experts.forward_rows`: gate_up, SwiGLU, down for each expert,
-    forward and backward) with each expert's rows zero-padded to a multiple of 64 (`EXPERT_ROWS_MULTIPLE`, what
-    the trainer does under bf16 on cpu) and without, a new routing every call as every micro-batch brings one:
-    uniform over 16 experts (the small run's shape, ~256 rows an expert), skewed (expert e drawn with weight
-    1 / (e + 1)), and fine-grained (64 experts, ~32 rows each, where padding to 64 about doubles the rows)."""
+    """The trainer's expert loop itself (`Experts.forward_rows` under bf16 autocast on cpu: gate_up, SwiGLU, down
+    for each expert, forward and backward) with each expert's rows zero-padded to a multiple of
+    `EXPERT_ROWS_MULTIPLE` (what the trainer does) and with the multiple set to 1 (no padding), a new routing every
+    call as every micro-batch brings one: uniform over 16 experts (the small run's shape, ~256 rows an expert),
+    skewed (expert e drawn with weight 1 / (e + 1)), and fine-grained (64 experts, ~32 rows each, where padding
+    to 64 about doubles the rows)."""
     import torch
-    import torch.nn.functional as F
 
-    from rlhf.model.qwen3_moe import EXPERT_ROWS_MULTIPLE
+    import rlhf.model.qwen3_moe as qwen3_moe
+    from rlhf.schema import ModelConfig
 
-    H, I = 512, 256
-    out: dict = {"expert_rows_multiple": EXPERT_ROWS_MULTIPLE}
+    multiple, H = qwen3_moe.EXPERT_ROWS_MULTIPLE, 512
+    out: dict = {"expert_rows_multiple": multiple}
     for name, (E, R, skewed) in {"uniform16": (16, 4096, False), "skewed16": (16, 4096, True),
                                  "fine64": (64, 2048, False)}.items():
         g = torch.Generator().manual_seed(3)
+        experts = qwen3_moe.Experts(ModelConfig(num_experts=E, hidden_size=H, moe_intermediate_size=256))
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.02, generator=g)
         weights = 1 / torch.arange(1, E + 1).float() if skewed else torch.ones(E)
-        routings = [torch.bincount(torch.multinomial(weights, R, replacement=True, generator=g), minlength=E).tolist()
-                    for _ in range(repeats + 1)]
-        x = torch.randn(R, H, generator=g).bfloat16()
-        gate_up = torch.randn(E, 2 * I, H, generator=g).bfloat16().requires_grad_()
-        down = torch.randn(E, H, I, generator=g).bfloat16().requires_grad_()
-        for multiple in (1, EXPERT_ROWS_MULTIPLE):
-            calls = iter(routings)
+        routings = [torch.multinomial(weights, R, replacement=True, generator=g) for _ in range(repeats + 1)]
+        x = torch.randn(R, H, generator=g)
+        try:
+            for m in (1, multiple):
+                qwen3_moe.EXPERT_ROWS_MULTIPLE = m  # read by forward_rows at each call
+                calls = iter(routings)
 
-            def call():
-                counts = next(calls)
-                rows, gu, dn, ys = x.split(counts), gate_up.unbind(0), down.unbind(0), []
-                for e, n in enumerate(counts):
-                    if n:
-                        r = rows[e] if n % multiple == 0 else F.pad(rows[e], (0, 0, 0, multiple - n % multiple))
-                        gate, up = F.linear(r, gu[e]).chunk(2, dim=-1)
-                        ys.append(F.linear(F.silu(gate) * up, dn[e])[:n])
-                torch.cat(ys).float().sum().backward()
+                def call():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        y = experts.forward_rows(x, next(calls))
+                    y.float().sum().backward()
 
-            out[f"{name}_ms_rows_multiple_{multiple}"] = _ms(call, repeats)
-        rows_done = sum(-(-n // EXPERT_ROWS_MULTIPLE) * EXPERT_ROWS_MULTIPLE for n in routings[0])
-        out[f"{name}_padded_over_plain"] = round(out[f"{name}_ms_rows_multiple_{EXPERT_ROWS_MULTIPLE}"]
+                out[f"{name}_ms_rows_multiple_{m}"] = _ms(call, repeats)
+        finally:
+            qwen3_moe.EXPERT_ROWS_MULTIPLE = multiple
+        counts = torch.bincount(routings[0], minlength=E).tolist()
+        out[f"{name}_padded_over_plain"] = round(out[f"{name}_ms_rows_multiple_{multiple}"]
                                                  / out[f"{name}_ms_rows_multiple_1"], 2)
-        out[f"{name}_padded_rows_over_rows"] = round(rows_done / R, 2)
+        out[f"{name}_padded_rows_over_rows"] = round(sum(-(-n // multiple) * multiple for n in counts) / R, 2)
     return out
 
 
