@@ -145,12 +145,10 @@ class Producer:
         run = self.run
         batch, t0 = run.token_batch(ro), time.time()
         try:
-            ref_BT, _, replies = run.roles.logprobs(run.roles.reference, run.put(batch))
-            run.roles.all(run.roles.reference, "offload")
+            ref_BT = run.reference_logprobs(batch, b, timed=False)
         except RoleError as e:
             run.log(f"batch {b}: reference logprobs left to the step: {e}")
             return ro
-        run.trace_ranks("reference logprobs", run.roles.reference, replies, b)
         run.tracker.trace.add("reference logprobs", "driver/producer", t0, time.time() - t0, b)
         return replace(ro, ref_logp=batch.response_rows(ref_BT))
 

@@ -10,7 +10,7 @@ import os
 import random
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -262,10 +262,12 @@ class Run(Recovery, ExpertBalancing):
             moved += roles.all(roles.reference, "offload")
         self.switch_bytes[trainer_method] = sum(moved)
 
-    def reference_logprobs(self, batch: TokenBatch, step: int):
+    def reference_logprobs(self, batch: TokenBatch, step: int, timed: bool = True):
+        """`timed`: a phase of the step (`time/reference_logprobs`); StaleSync's producer, computing a batch's
+        ahead on its own thread, passes False and traces the call on its own row."""
         if not self.roles.reference:
             return None
-        with self.phase("reference logprobs", step):
+        with self.phase("reference logprobs", step) if timed else nullcontext():
             ref_logp, _, replies = self.roles.logprobs(self.roles.reference, self.put(batch))
         self.roles.all(self.roles.reference, "offload")
         self.trace_ranks("reference logprobs", self.roles.reference, replies, step)
