@@ -3,9 +3,11 @@ small), batch and length, each measured by benchmarks/e2e_bench.py; the simulato
 some of them, its predictions scored on the others (held out).
 
     .venv/bin/rlhf calibrate --out configs/hardware/cpu_2core.yaml      # the machine's raw figures
-    .venv/bin/python -m benchmarks.sim_accuracy --write-calibration      # runs (~30 min), fit, score, write
+    .venv/bin/python -m benchmarks.sim_accuracy --repeats 3 --write-calibration   # runs, fit, score, write
 
-Each run's measurement is kept in out/sim_accuracy/<name>.json and reused (`--rerun` measures again). The
+Each run's measurement is kept in out/sim_accuracy/<name>.json and reused (`--rerun` measures again);
+`--repeats N` measures every run N times (interleaved; repeats kept as <name>.r<i>.json) and fits and scores
+each phase's median. The
 policies have random weights (our code writes them), so completions run to the limit unless they stop on
 EOS; the simulator is given each run's measured mean prompt and completion lengths (the workload, not the
 timing). The last line is one JSON object: `step_mape_heldout` (mean absolute percentage error of the step
@@ -73,8 +75,8 @@ MEASURED = {"reward": ("reward",), "logprobs": ("old_logprobs",), "reference": (
             "update": ("update",), "sync": ("weight_sync",), "offload": ("switch_to_training", "switch_to_rollout")}
 
 
-def measure(run: Run, rerun: bool) -> dict:
-    path = OUT / f"{run.name}.json"
+def measure(run: Run, rerun: bool, repeat: int = 0) -> dict:
+    path = OUT / (f"{run.name}.json" if not repeat else f"{run.name}.r{repeat}.json")
     if path.is_file() and not rerun:
         return json.loads(path.read_text())
     overrides = [*run.overrides, f"output_dir=out/sim_accuracy/runs/{run.name}",
@@ -82,7 +84,7 @@ def measure(run: Run, rerun: bool) -> dict:
                  f"tracking.dir=out/sim_accuracy/runs/{run.name}"]
     cmd = [sys.executable, "-m", "benchmarks.e2e_bench", "--config", run.config, "--warmup", str(run.warmup),
            "--steps", str(run.steps), *overrides]
-    print(f"{run.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    print(f"{run.name}{f' (repeat {repeat})' if repeat else ''}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{run.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -91,6 +93,16 @@ def measure(run: Run, rerun: bool) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def median_of(measurements: list[dict]) -> dict:
+    """One measurement from a run's repeats: each phase's median seconds (this machine is shared and noisy);
+    the workload (tokens, lengths) is the same in every repeat, a seed's."""
+    import statistics
+
+    keys = set().union(*(m["phase_seconds"] for m in measurements))
+    phases = {k: statistics.median(m["phase_seconds"].get(k, 0.0) for m in measurements) for k in keys}
+    return measurements[0] | {"phase_seconds": phases, "repeats": len(measurements)}
 
 
 def load(run: Run):
@@ -135,6 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hardware", default=str(REPO / "configs" / "hardware" / "cpu_2core.yaml"))
     parser.add_argument("--rerun", action="store_true", help="measure every run again")
     parser.add_argument("--only", nargs="*", help="measure only these runs (names)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measurements of each run (kept apart, reused like the first); the fit and the scores "
+                             "take each phase's median")
     parser.add_argument("--write-calibration", action="store_true",
                         help="write the fitted calibration into the hardware file")
     args = parser.parse_args(argv)
@@ -145,7 +160,11 @@ def main(argv=None) -> int:
     from rlhf.sim.hardware import PHASES, hardware_to_dict, load_hardware
 
     runs = [r for r in RUNS if not args.only or r.name in args.only]
-    measured = {r.name: measure(r, args.rerun) for r in runs}
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    # repeats interleaved (every run once, then again) so a slow spell of the machine is spread over the runs
+    by_repeat = [{r.name: measure(r, args.rerun, i) for r in runs} for i in range(args.repeats)]
+    measured = {r.name: median_of([rep[r.name] for rep in by_repeat]) for r in runs}
     raw = replace(load_hardware(args.hardware), calibration={})
     # fit: each phase's (modelled, events) from the uncalibrated model against the calibration runs' seconds
     calib_runs = [r for r in runs if not r.heldout]
@@ -168,7 +187,7 @@ def main(argv=None) -> int:
     held = [x for x in rows if x["heldout"]]
     cal = [x for x in rows if not x["heldout"]]
     out = {"hardware": hw.name, "runs": len(rows), "calibration_runs": [x["run"] for x in cal],
-           "heldout_runs": [x["run"] for x in held],
+           "heldout_runs": [x["run"] for x in held], "repeats": args.repeats,
            "step_mape_heldout": round(mape([x["predicted_step"] for x in held], [x["measured_step"] for x in held]), 1)
            if held else None,
            "step_mape_calibration": round(mape([x["predicted_step"] for x in cal], [x["measured_step"] for x in cal]), 1),

@@ -111,11 +111,14 @@ def _simulate(args) -> int:
     if args.expert_load_skew < 1:
         raise ConfigError(f"--expert-load-skew {args.expert_load_skew}: the busiest expert rank's load over the mean "
                           f"is >= 1 (1: uniform routing)")
+    if args.reward_seconds < 0:
+        raise ConfigError(f"--reward-seconds {args.reward_seconds}: a verifier's seconds per sample, >= 0 "
+                          f"(0: the hardware file's reward cost)")
     if (args.devices or args.write) and not args.search:
         raise ConfigError("--devices and --write go with --search")
     hw = load_hardware(args.hardware or default_hardware(cfg.placement.device_type.value))
     lengths = dict(prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
-                   expert_load_skew=args.expert_load_skew)
+                   expert_load_skew=args.expert_load_skew, reward_sample_seconds=args.reward_seconds)
     if not args.search:
         result = simulate(cfg, hw, plan=not args.no_plan, **lengths)
         print("\n".join(simulate_lines(cfg, result)), file=sys.stderr, flush=True)
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-tokens", type=float, help="mean generated tokens (default: rollout.max_new_tokens)")
     p.add_argument("--expert-load-skew", type=float, default=1.0,
                    help="busiest expert-parallel rank's load over the mean (the run's expert-load metrics)")
+    p.add_argument("--reward-seconds", type=float, default=0.0,
+                   help="a verifier's measured seconds per sample (a code sandbox, a judge), spread over reward.workers")
     p.add_argument("--no-plan", action="store_true", help="estimate the sync's bytes instead of planning it")
     p.set_defaults(func=_simulate)
 

@@ -11,7 +11,8 @@ the phase's call (the driver's round trip to the roles).
     generate   per engine (all engines alike, in parallel): prefill of each prompt once (prefix cache), then
                decode steps of a batch limited by max_num_seqs and the KV cache, in waves; TP all-reduces
                and EP all-to-alls per layer and step
-    reward     rule verifiers: a fixed cost per sample and worker; a reward model: a forward
+    reward     rule verifiers: a fixed cost per sample and worker; a reward model: a forward; or the seconds per
+               sample a user measured (`reward_sample_seconds`: a code sandbox, a judge), over the workers
     reference  a forward of every trained sample (kl_coef > 0)
     logprobs   the old-logprob forward, skipped when the update is on-policy
     update     forward + backward (+ a recomputed forward), TP all-reduces, EP all-to-alls, pipeline sends and
@@ -21,8 +22,9 @@ the phase's call (the driver's round trip to the roles).
     offload    co-located on an accelerator: the trainer's state to host and back, engines asleep and awake
     driver     the driver's own work per step (advantages, batching, its calls to the roles): a fixed cost
 
-The step: co-located phases run one after the other; disaggregated pools with a staleness bound >= 1
-overlap generation (+ reward) with training, the sync waits for both (`step_seconds`).
+The step: synchronous phases run one after the other; with a staleness bound >= 1 disaggregated pools overlap
+generation (+ reward) with training, the sync waits for both, and co-located roles overlap only what runs off
+the devices (the reward beside the trainer's turn, the driver's work beside generation) (`step_seconds`).
 """
 
 from __future__ import annotations
@@ -216,6 +218,8 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
 
 
 def reward_seconds(mc: ModelCost, w: Workload, hw: Hardware) -> Seconds:
+    if w.reward_sample_seconds:  # measured by the user (a sandbox, a judge): taken as given, the workers in parallel
+        return Seconds(w.reward_sample_seconds * w.samples / max(1, w.reward_workers) + hw.calib("reward").call_s)
     if w.reward_model:
         flops = mc.forward_flops(w.samples * w.sequence, w.sequence / 2)
         return _phase(hw, "reward", flops / (max(1, w.reward_workers) * hw.flops(w.train_dtype)), 0)
@@ -253,14 +257,22 @@ def offload_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> S
 
 
 def step_seconds(phases: dict, c: Candidate) -> float:
-    """Co-located phases run one after the other (they share the devices); disaggregated pools with
-    staleness >= 1 generate the next batch while the trainer trains this one, and the sync waits for both."""
+    """Synchronous (staleness 0): every phase one after the other. With a staleness bound >= 1 the producer
+    generates the next batch while the trainer trains this one: disaggregated pools overlap generation
+    (+ reward) with the trainer's phases and the sync waits for both; co-located roles share the devices, so
+    generation and the trainer's phases (with the sync and the switches) still follow each other there, and
+    what leaves the step is the work off the devices: the reward (its own workers) beside the trainer's turn,
+    the driver's bookkeeping beside generation (`rlhf.driver.turns`). The step is then the longest of the
+    devices' work, the producer's (generate, then score) and the trainer's (its turn, then the driver's)."""
     gen = phases["generate"] + phases["reward"]
     train = phases["reference"] + phases["logprobs"] + phases["update"]
     rest = phases["sync"] + phases["offload"] + phases["driver"]
-    if not c.colocated and c.staleness >= 1:
+    if c.staleness < 1:
+        return gen + train + rest
+    if not c.colocated:
         return max(gen, train) + rest
-    return gen + train + rest
+    devices = phases["generate"] + train + phases["sync"] + phases["offload"]
+    return max(devices, gen, train + rest)
 
 
 def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None,

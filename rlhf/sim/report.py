@@ -43,10 +43,10 @@ def _plan_sync(cfg: RunConfig) -> Sync:
 
 
 def simulate(cfg: RunConfig, hw: Hardware, prompt_tokens: float | None = None, response_tokens: float | None = None,
-             expert_load_skew: float = 1.0, plan: bool = True) -> dict:
+             expert_load_skew: float = 1.0, plan: bool = True, reward_sample_seconds: float = 0.0) -> dict:
     """The prediction for `cfg` on `hw`: seconds per phase, the step, tokens/s, memory, whether it fits. With
     `plan`, the sync's bytes come from the real resharding plan (the one `rlhf plan` prints)."""
-    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew)
+    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew, reward_sample_seconds)
     c = candidate_of(cfg)
     r = simulate_candidate(model_cost(cfg.model), w, hw, c, _plan_sync(cfg) if plan else None)
     return {**r, "hardware": hw.name, "configuration": str(c), "generated_tokens": w.generated_tokens,
@@ -82,6 +82,9 @@ def simulate_lines(cfg: RunConfig, result: dict) -> list[str]:
     for k, v in result["phases"].items():
         if v:
             lines.append(f"  {k:<11} {v:9.3f}  {100 * v / step:5.1f} %" if step else f"  {k:<11} {v:9.3f}")
+    hidden = sum(result["phases"].values()) - step
+    if hidden > 1e-9:  # StaleSync: phases that run beside others leave the step
+        lines.append(f"  overlapped  {-hidden:9.3f}  {-100 * hidden / step:5.1f} %  (beside other phases: stale_sync)")
     g = result["generation"]
     lines += [f"  step        {step:9.3f}  ({result['tokens_per_second']:.1f} generated tokens/s)",
               f"  generation: batch {g['batch']} per engine in {g['waves']} wave(s); the KV cache holds "
@@ -93,9 +96,10 @@ def simulate_lines(cfg: RunConfig, result: dict) -> list[str]:
 
 
 def search_config(cfg: RunConfig, hw: Hardware, devices: int | None, top: int, prompt_tokens=None,
-                  response_tokens=None, expert_load_skew: float = 1.0, max_staleness: int = 1) -> dict:
+                  response_tokens=None, expert_load_skew: float = 1.0, max_staleness: int = 1,
+                  reward_sample_seconds: float = 0.0) -> dict:
     n = devices or cfg.placement.nodes * cfg.placement.devices_per_node
-    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew)
+    w = workload(cfg, prompt_tokens, response_tokens, expert_load_skew, reward_sample_seconds)
     return search(model_cost(cfg.model), cfg.model, w, hw, n, top, SearchSpace(max_staleness=max_staleness)) | {
         "devices": n}
 
@@ -130,6 +134,10 @@ def write_config(cfg: RunConfig, c: Candidate, hw: Hardware, out: str | Path) ->
     run["stale_sync"]["max_staleness"] = c.staleness
     if c.staleness and not run["algorithm"]["tis_cap"]:
         run["algorithm"]["tis_cap"] = 2.0  # off-policy samples need the truncated importance weight
+    if c.colocated and not hw.shared_memory:  # the memory priced: the roles take turns, engines asleep
+        run["rollout"]["sleep_level"] = run["rollout"]["sleep_level"] or 1
+    if c.colocated and c.staleness and run["rollout"]["sleep_level"]:
+        run["stale_sync"]["partial_rollout"] = False  # turns: a sync never meets a generation
     n = c.devices
     per_node = hw.devices_per_node if n >= hw.devices_per_node else n
     nt = c.trainer_devices or t.world

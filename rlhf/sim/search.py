@@ -99,8 +99,9 @@ class Ranked:
 
 def _placements(devices: int, hw: Hardware, space: SearchSpace):
     """(colocated, trainer devices, rollout devices, staleness): co-located on all, or split at nodes (at
-    devices on a single node)."""
-    yield True, devices, devices, 0
+    devices on a single node), each with every staleness bound up to the space's."""
+    for s in range(0, space.max_staleness + 1):
+        yield True, devices, devices, s
     unit = hw.devices_per_node if devices > hw.devices_per_node else 1
     for t in range(unit, devices, unit):
         for s in range(0, space.max_staleness + 1):
@@ -189,8 +190,10 @@ def why(best: Ranked, other: Ranked | None) -> str:
     gains = [f"{k} {q[k]:.3g} -> {p[k]:.3g} s" for d, k in diffs[:2] if d > 1e-9]
     a, b = best.candidate, other.candidate
     changed = []
-    if a.colocated != b.colocated or a.trainer_devices != b.trainer_devices or a.staleness != b.staleness:
+    if a.colocated != b.colocated or a.trainer_devices != b.trainer_devices:
         changed.append("placement")
+    if a.staleness != b.staleness:
+        changed.append(f"staleness {a.staleness} (vs {b.staleness})")
     if a.trainer != b.trainer:
         changed.append(f"trainer {a.trainer} (vs {b.trainer})")
     if a.engines != b.engines:

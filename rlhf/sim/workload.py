@@ -166,6 +166,7 @@ class Workload:
     kv_cache_gib: float  # cpu engines: the KV cache each engine rank reserves
     gpu_memory_utilization: float
     expert_load_skew: float = 1.0  # busiest expert rank's load over the mean (1: uniform routing)
+    reward_sample_seconds: float = 0.0  # a verifier's measured seconds per sample (a code sandbox, a judge); 0: modelled
 
     @property
     def samples(self) -> int:
@@ -189,7 +190,7 @@ class Workload:
 
 
 def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens: float | None = None,
-             expert_load_skew: float = 1.0) -> Workload:
+             expert_load_skew: float = 1.0, reward_sample_seconds: float = 0.0) -> Workload:
     """The step of `cfg`. Without measured lengths a prompt counts `data.max_prompt_tokens` and a sample runs
     to `rollout.max_new_tokens` (an upper bound: answers that stop early take less)."""
     d, a, r, t = cfg.data, cfg.algorithm, cfg.rollout, cfg.trainer
@@ -206,4 +207,4 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     train_dtype=(cfg.trainer.compute_dtype or cfg.model.dtype).value, rollout_dtype=r.dtype.value,
                     max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
-                    expert_load_skew=expert_load_skew)
+                    expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds)

@@ -28,3 +28,13 @@ def test_measured_phases_map_onto_the_simulators():
     assert ph["generate"] == pytest.approx(0.49) and ph["logprobs"] == 0.3 and ph["offload"] == pytest.approx(0.02)
     assert ph["step"] == pytest.approx(1.9)  # without the last step's evaluation and checkpoint
     assert ph["driver"] == pytest.approx(1.9 - 0.49 - 0.01 - 0.3 - 0.9 - 0.1 - 0.02)
+
+
+def test_repeats_give_each_phase_its_median():
+    reps = [{"generated_tokens_per_step": 96.0, "prompt_tokens": 9.5,
+             "phase_seconds": {"update": u, "step": s, **extra}}
+            for u, s, extra in ((0.9, 2.0, {}), (0.5, 1.2, {"checkpoint": 0.1}), (0.7, 3.0, {}))]
+    m = sa.median_of(reps)
+    assert m["phase_seconds"] == {"update": 0.7, "step": 2.0, "checkpoint": 0.0}  # a phase missing counts 0
+    assert m["repeats"] == 3 and m["generated_tokens_per_step"] == 96.0 and m["prompt_tokens"] == 9.5
+    assert reps[0]["phase_seconds"]["update"] == 0.9  # the repeats themselves untouched

@@ -21,7 +21,7 @@ from rlhf.sim.cost import _ring, sync_seconds, trainer_params, trainer_phases
 from rlhf.sim.memory import engine_rank_params, trainer_memory
 from rlhf.sim.fit import fit_phase, mape, spearman
 from rlhf.sim.hardware import Link, hardware_from_dict
-from rlhf.sim.search import SearchSpace, search
+from rlhf.sim.search import Ranked, SearchSpace, search, why
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "configs" / "model"
@@ -171,7 +171,7 @@ def test_cli_simulate_starts_nothing():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_staleness_overlaps_disaggregated_pools_only():
+def test_staleness_overlaps_generation_with_training_on_disaggregated_pools():
     cfg = tiny_cfg()
     mc, w, hw = model_cost(cfg.model), workload(cfg), hardware_from_dict(HW)
     t, e = TrainerChoice(dp=2), EngineChoice(engines=2)
@@ -182,8 +182,61 @@ def test_staleness_overlaps_disaggregated_pools_only():
         max(p["generate"] + p["reward"], p["reference"] + p["logprobs"] + p["update"]) + p["sync"] + p["offload"]
         + p["driver"])
     assert overlapped["step_seconds"] < serial["step_seconds"]
-    colocated = [simulate_candidate(mc, w, hw, Candidate(t, e, True, 2, 2, s))["step_seconds"] for s in (0, 1)]
-    assert colocated[0] == colocated[1]
+
+
+def test_co_located_staleness_overlaps_only_the_work_off_the_devices():
+    """Co-located roles share the devices: generation and the trainer's turn still follow each other, and a
+    slow reward (its own workers) hides behind the trainer's turn, the driver's work behind generation."""
+    cfg = tiny_cfg("algorithm.kl_coef=0.01")
+    mc, hw = model_cost(cfg.model), hardware_from_dict(HW)
+    t, e = TrainerChoice(dp=2), EngineChoice(engines=2)
+    fast = workload(cfg)
+    sync, stale = (simulate_candidate(mc, fast, hw, Candidate(t, e, True, 2, 2, s)) for s in (0, 1))
+    p = stale["phases"]
+    devices = p["generate"] + p["reference"] + p["logprobs"] + p["update"] + p["sync"] + p["offload"]
+    assert p["offload"] > 0 and p["reference"] > 0
+    assert sync["step_seconds"] == pytest.approx(sum(p.values()))
+    assert stale["step_seconds"] == pytest.approx(max(devices, p["generate"] + p["reward"], devices - p["generate"]
+                                                      + p["driver"]))
+    assert devices <= stale["step_seconds"] < sync["step_seconds"]
+    # a sandbox taking 2 s a sample over the reward workers: longer than the trainer's turn, so the producer
+    # (generate, then score) sets the step, and the trainer's whole turn leaves it
+    slow = workload(cfg, reward_sample_seconds=2.0)
+    sync, stale = (simulate_candidate(mc, slow, hw, Candidate(t, e, True, 2, 2, s)) for s in (0, 1))
+    q = stale["phases"]
+    assert q["reward"] == pytest.approx(2.0 * slow.samples / cfg.reward.workers + hw.calib("reward").call_s)
+    assert q["reward"] > devices - q["generate"]
+    assert stale["step_seconds"] == pytest.approx(q["generate"] + q["reward"])
+    assert sync["step_seconds"] - stale["step_seconds"] == pytest.approx(devices - q["generate"] + q["driver"])
+    line = why(Ranked(Candidate(t, e, True, 2, 2, 1), stale), Ranked(Candidate(t, e, True, 2, 2, 0), sync))
+    assert line.startswith(f"{sync['step_seconds'] / stale['step_seconds']:.2f}x the next: staleness 1 (vs 0);")
+
+
+def test_the_search_takes_co_located_staleness_where_the_reward_is_slow(tmp_path, capsys):
+    """With a slow verifier the best configuration on one node overlaps it; the written config takes turns on
+    the devices (engines asleep: the memory the simulator priced) without partial rollouts, and validates."""
+    hw = tmp_path / "unit.yaml"
+    hw.write_text(json.dumps(HW))
+    cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
+    args = ["simulate", cfg, "stale_sync.max_staleness=1", "stale_sync.partial_rollout=true", "algorithm.tis_cap=2",
+            "--hardware", str(hw), "--search", "--top", "40"]
+    # 60 us a sample over 768 samples and one worker: about the trainer's turn on this round-number device
+    assert main([*args, "--reward-seconds", "6e-5", "--write", str(tmp_path / "best")]) == 0
+    best = json.loads(capsys.readouterr()[0].strip().splitlines()[-1])["best"]
+    assert "co-located, staleness 1" in best[0]["configuration"]  # on 2 devices both pools would be too small
+    by_staleness = {False: 0.0, True: 0.0}
+    for b in best:
+        if "co-located" in b["configuration"]:
+            stale = "staleness 1" in b["configuration"]
+            by_staleness[stale] = max(by_staleness[stale], b["tokens_per_second"])
+    assert by_staleness[True] > 1.5 * by_staleness[False]
+    run = load_run_config(tmp_path / "best" / "run.yaml")
+    assert run.stale_sync.max_staleness == 1 and run.algorithm.tis_cap > 0
+    assert run.rollout.sleep_level >= 1 and not run.stale_sync.partial_rollout
+    assert main(["plan", str(tmp_path / "best" / "run.yaml")]) == 0
+    assert "take turns" in capsys.readouterr()[1]  # the loop line of the plan
+    assert main(["simulate", cfg, "--reward-seconds", "-1"]) == 2
+    assert "--reward-seconds -1.0: a verifier's seconds per sample" in capsys.readouterr()[1]
 
 
 def test_fit_recovers_a_known_calibration_and_scores_predictions():
