@@ -22,7 +22,8 @@ the phase's call (the driver's round trip to the roles).
     offload    co-located on an accelerator: the trainer's state to host and back, engines asleep and awake
     driver     the driver's own work per step (advantages, batching, its calls to the roles): a fixed cost
 
-The step: synchronous phases run one after the other; with a staleness bound >= 1 disaggregated pools overlap
+The step: synchronous phases run one after the other (streamed scoring beside the next waves' generation,
+`producer_seconds`); with a staleness bound >= 1 disaggregated pools overlap
 generation (+ reward) with training, the sync waits for both, and co-located roles overlap only what runs off
 the devices (the reward beside the trainer's turn, the driver's work beside generation) (`step_seconds`).
 """
@@ -256,15 +257,23 @@ def offload_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> S
     return _phase(hw, "offload", 2 * (host.seconds(state) + host.seconds(weights)), 1)
 
 
-def step_seconds(phases: dict, c: Candidate) -> float:
-    """Synchronous (staleness 0): every phase one after the other. With a staleness bound >= 1 the producer
-    generates the next batch while the trainer trains this one: disaggregated pools overlap generation
-    (+ reward) with the trainer's phases and the sync waits for both; co-located roles share the devices, so
-    generation and the trainer's phases (with the sync and the switches) still follow each other there, and
-    what leaves the step is the work off the devices: the reward (its own workers) beside the trainer's turn,
-    the driver's bookkeeping beside generation (`rlhf.driver.turns`). The step is then the longest of the
-    devices' work, the producer's (generate, then score) and the trainer's (its turn, then the driver's)."""
-    gen = phases["generate"] + phases["reward"]
+def producer_seconds(generate: float, reward: float, waves: int = 1) -> float:
+    """Generating a batch and scoring it. Scored whole, one after the other; streamed (`rollout.stream_groups`),
+    each wave's groups are scored as the wave finishes, beside the next waves' generation, so only the last
+    wave's scoring (or, where scoring is the slower, the first wave's generation) is left over."""
+    return max(generate + reward / waves, reward + generate / waves)
+
+
+def step_seconds(phases: dict, c: Candidate, waves: int = 1) -> float:
+    """Synchronous (staleness 0): the producer's work (`producer_seconds`), then every other phase. With a
+    staleness bound >= 1 the producer generates the next batch while the trainer trains this one: disaggregated
+    pools overlap the producer's work with the trainer's phases and the sync waits for both; co-located roles
+    share the devices, so generation and the trainer's phases (with the sync and the switches) still follow
+    each other there, and what leaves the step is the work off the devices: the reward (its own workers) beside
+    the trainer's turn, the driver's bookkeeping beside generation (`rlhf.driver.turns`). The step is then the
+    longest of the devices' work, the producer's and the trainer's (its turn, then the driver's). `waves`: the
+    waves whose groups are scored as they finish (1 when scored whole)."""
+    gen = producer_seconds(phases["generate"], phases["reward"], waves)
     train = phases["reference"] + phases["logprobs"] + phases["update"]
     rest = phases["sync"] + phases["offload"] + phases["driver"]
     if c.staleness < 1:
@@ -286,7 +295,7 @@ def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, s
     phases["sync"] = sync_seconds(mc, w, hw, c, sync)
     phases["offload"] = offload_seconds(mc, w, hw, c)
     phases["driver"] = _phase(hw, "driver", 0.0, 1)  # the driver's own work and its calls, per step
-    step = step_seconds(phases, c)
+    step = step_seconds(phases, c, shape["waves"] if w.streamed else 1)
     mem = memory_per_device(mc, w, hw, c)
     fits = not hw.memory_gib or mem["device"] <= hw.memory_gib
     return {"step_seconds": step, "tokens_per_second": w.generated_tokens / step if step else 0.0,

@@ -167,6 +167,7 @@ class Workload:
     gpu_memory_utilization: float
     expert_load_skew: float = 1.0  # busiest expert rank's load over the mean (1: uniform routing)
     reward_sample_seconds: float = 0.0  # a verifier's measured seconds per sample (a code sandbox, a judge); 0: modelled
+    streamed: bool = False  # rollout.stream_groups: each group scored as its engine finishes it
 
     @property
     def samples(self) -> int:
@@ -207,4 +208,5 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     train_dtype=(cfg.trainer.compute_dtype or cfg.model.dtype).value, rollout_dtype=r.dtype.value,
                     max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
-                    expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds)
+                    expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds,
+                    streamed=r.stream_groups)

@@ -17,7 +17,7 @@ from rlhf.errors import ConfigError
 from rlhf.model.shapes import count_active_params, count_params
 from rlhf.sim import (Calibration, Candidate, EngineChoice, TrainerChoice, load_hardware, model_cost,
                       simulate_candidate, workload)
-from rlhf.sim.cost import _ring, sync_seconds, trainer_params, trainer_phases
+from rlhf.sim.cost import _ring, producer_seconds, sync_seconds, trainer_params, trainer_phases
 from rlhf.sim.memory import engine_rank_params, trainer_memory
 from rlhf.sim.fit import fit_phase, mape, spearman
 from rlhf.sim.hardware import Link, hardware_from_dict
@@ -210,6 +210,24 @@ def test_co_located_staleness_overlaps_only_the_work_off_the_devices():
     assert sync["step_seconds"] - stale["step_seconds"] == pytest.approx(devices - q["generate"] + q["driver"])
     line = why(Ranked(Candidate(t, e, True, 2, 2, 1), stale), Ranked(Candidate(t, e, True, 2, 2, 0), sync))
     assert line.startswith(f"{sync['step_seconds'] / stale['step_seconds']:.2f}x the next: staleness 1 (vs 0);")
+
+
+def test_streamed_groups_score_each_wave_beside_the_next_waves_generation():
+    assert producer_seconds(4.0, 2.0, 1) == 6.0  # scored whole: one after the other
+    assert producer_seconds(4.0, 2.0, 4) == 4.5  # generation the longer: the last wave's scoring is left over
+    assert producer_seconds(1.0, 8.0, 4) == 8.25  # scoring the longer: the first wave's generation is left over
+    # 8 prompts x 64 samples on two engines of max_num_seqs 64: four waves each
+    cfg = tiny_cfg("rollout.max_num_seqs=64", "data.prompts_per_step=8", "data.gen_prompts_per_step=0",
+                   "algorithm.group_size=64")
+    mc, hw, t, e = model_cost(cfg.model), hardware_from_dict(HW), TrainerChoice(dp=2), EngineChoice(engines=2)
+    whole = workload(cfg, reward_sample_seconds=1e-4)
+    streamed = replace(whole, streamed=True)
+    assert not whole.streamed and tiny_cfg().rollout.stream_groups is False  # the tiny configs score whole draws
+    a, b = (simulate_candidate(mc, w, hw, Candidate(t, e, True, 2, 2, 0)) for w in (whole, streamed))
+    p = b["phases"]
+    assert b["generation"]["waves"] == 4 and p == a["phases"]
+    assert a["step_seconds"] - b["step_seconds"] == pytest.approx(
+        p["generate"] + p["reward"] - producer_seconds(p["generate"], p["reward"], 4))
 
 
 def test_the_search_takes_co_located_staleness_where_the_reward_is_slow(tmp_path, capsys):
