@@ -284,6 +284,18 @@ def step_seconds(phases: dict, c: Candidate, waves: int = 1) -> float:
     return max(devices, gen, train + rest)
 
 
+def shared_cores_floor(phases: dict, c: Candidate, hw: Hardware) -> float:
+    """cpu: stand-in devices are the node's cores (`devices_per_node`), and a placement on more stand-in devices
+    than that shares them. Separate pools overlapping under StaleSync then take at least their busy core-seconds
+    (each engine rank and trainer rank a core while it works) over the cores, plus the phases that overlap
+    nothing. 0 where the devices are real or the roles do not overlap."""
+    if not hw.shared_memory or c.colocated or c.staleness < 1 or c.devices <= hw.devices_per_node:
+        return 0.0
+    train = phases["reference"] + phases["logprobs"] + phases["update"]
+    busy = phases["generate"] * c.engines.world + train * c.trainer.world + phases["reward"]
+    return busy / hw.devices_per_node + phases["sync"] + phases["offload"] + phases["driver"]
+
+
 def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None,
                        trainer: dict | None = None, generate: tuple | None = None) -> dict:
     """Every phase's seconds, the step, tokens/s and memory of one configuration. `trainer` (`trainer_phases`)
@@ -295,7 +307,7 @@ def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, s
     phases["sync"] = sync_seconds(mc, w, hw, c, sync)
     phases["offload"] = offload_seconds(mc, w, hw, c)
     phases["driver"] = _phase(hw, "driver", 0.0, 1)  # the driver's own work and its calls, per step
-    step = step_seconds(phases, c, shape["waves"] if w.streamed else 1)
+    step = max(step_seconds(phases, c, shape["waves"] if w.streamed else 1), shared_cores_floor(phases, c, hw))
     mem = memory_per_device(mc, w, hw, c)
     fits = not hw.memory_gib or mem["device"] <= hw.memory_gib
     return {"step_seconds": step, "tokens_per_second": w.generated_tokens / step if step else 0.0,

@@ -184,6 +184,29 @@ def test_staleness_overlaps_generation_with_training_on_disaggregated_pools():
     assert overlapped["step_seconds"] < serial["step_seconds"]
 
 
+def test_stand_in_cpu_devices_beyond_the_cores_share_them_when_pools_overlap():
+    """The disaggregated tiny config puts the trainer on stand-in devices 0-1 and an engine on 2 of a 2-core
+    machine: overlapped, its step takes at least the busy core-seconds over the two cores."""
+    cfg = tiny_cfg()
+    mc, w = model_cost(cfg.model), workload(cfg, prompt_tokens=7, response_tokens=5.6)
+    cpu = hardware_from_dict(HW | {"device_type": "cpu", "devices_per_node": 2, "links": HW["links"] | {
+        "host": {"gbytes_per_s": 0, "latency_us": 0}}})
+    t, e = TrainerChoice(dp=2), EngineChoice(engines=1)
+    sync, stale = (simulate_candidate(mc, w, cpu, Candidate(t, e, False, 2, 1, s)) for s in (0, 1))
+    p = stale["phases"]
+    train = p["reference"] + p["logprobs"] + p["update"]
+    rest = p["sync"] + p["offload"] + p["driver"]
+    floor = (p["generate"] * 1 + train * 2 + p["reward"]) / 2 + rest
+    assert stale["step_seconds"] == pytest.approx(floor)
+    assert floor > max(p["generate"] + p["reward"], train) + rest
+    assert sync["step_seconds"] == pytest.approx(sum(p.values()))  # one role at a time: the cores suffice
+    wide = replace(cpu, devices_per_node=4)  # a core per stand-in device: the pools overlap freely
+    r = simulate_candidate(mc, w, wide, Candidate(t, e, False, 2, 1, 1))
+    q = r["phases"]  # the sync now on the node's link
+    assert r["step_seconds"] == pytest.approx(max(q["generate"] + q["reward"], q["logprobs"] + q["update"])
+                                              + q["sync"] + q["offload"] + q["driver"])
+
+
 def test_co_located_staleness_overlaps_only_the_work_off_the_devices():
     """Co-located roles share the devices: generation and the trainer's turn still follow each other, and a
     slow reward (its own workers) hides behind the trainer's turn, the driver's work behind generation."""
