@@ -5,6 +5,7 @@
     python -m benchmarks.stale_sync --staleness 0 2 --partial   # also staleness 2 with partial rollouts
     python -m benchmarks.stale_sync --config configs/tiny_cpu.yaml --staleness 0 1 \
         --set algorithm.tis_cap=2 rollout.sleep_level=1          # co-located: the roles take turns
+    python -m benchmarks.stale_sync --staleness 0 1 --seeds 0 1 2 3   # a round per seed: accuracy over seeds
 
 Each run is `rlhf train CONFIG stale_sync.max_staleness=K eval_every=E` in its own process (own embedded Ray),
 the staleness values interleaved round by round so each sees the same machine. Outputs go under
@@ -14,8 +15,11 @@ seconds per step, the mean seconds of each phase from step 3 on (`phase_seconds_
 staleness trained on, samples dropped, and held-out accuracy against seconds since the first evaluation.
 The summary gives each staleness's throughput over staleness 0's (medians over rounds) and, at each
 evaluation of the asynchronous run, the synchronous run's accuracy at that same wall-clock time (its last
-evaluation by then). Writes `accuracy_vs_time.svg` beside the outputs. The last
-line is one JSON object.
+evaluation by then). Every run of a seed is deterministic, so rounds of one seed repeat the same learning;
+`--seeds` gives each round its own seed (`seed=`), and the summary then adds `equal_time`: over the rounds,
+the asynchronous run's accuracy minus the synchronous run's at the same wall-clock time, at each of its
+evaluations (mean, and how many higher / equal / lower) and at its last one. Writes `accuracy_vs_time.svg`
+beside the outputs. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -73,6 +77,19 @@ def accuracy_at(curve: list, seconds: float) -> float:
     return [a for _, a, t in curve if t <= seconds][-1]
 
 
+def equal_time(sync_runs: list[dict], runs: list[dict]) -> dict:
+    """The asynchronous runs' held-out accuracy against the synchronous runs' of the same round at the same
+    wall-clock time (the synchronous run's last evaluation by then): at every evaluation after the first (the
+    first is the same policy in both), and at each run's last."""
+    diffs = [a - accuracy_at(sync["accuracy"], t) for sync, r in zip(sync_runs, runs) for _, a, t in r["accuracy"][1:]]
+    last = [r["accuracy"][-1][1] - accuracy_at(sync["accuracy"], r["accuracy"][-1][2])
+            for sync, r in zip(sync_runs, runs)]
+    return {"evaluations": len(diffs), "mean_difference": round(statistics.mean(diffs), 4) if diffs else None,
+            "higher": sum(d > 1e-9 for d in diffs), "equal": sum(abs(d) <= 1e-9 for d in diffs),
+            "lower": sum(d < -1e-9 for d in diffs), "last_difference_runs": [round(d, 4) for d in last],
+            "last_difference_mean": round(statistics.mean(last), 4) if last else None}
+
+
 def svg(curves: dict[str, list], path: Path) -> None:
     """Held-out accuracy against seconds, one polyline per run (no plotting library needed)."""
     W, H, pad = 640, 360, 48
@@ -109,11 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--partial", action="store_true",
                         help="also run each staleness above 0 with stale_sync.partial_rollout=true")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="a round per seed (seed=S in every run of the round), instead of --rounds")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="overrides for every run (e.g. rollout.sleep_level=1)")
     args = parser.parse_args(argv)
     if 0 not in args.staleness:
         parser.error("--staleness must include 0: every figure is relative to the synchronous loop")
+    if args.seeds is not None and (len(set(args.seeds)) != len(args.seeds) or args.rounds != 1):
+        parser.error("--seeds takes distinct seeds, one round each (leave out --rounds)")
+    seeds = args.seeds or [None] * args.rounds
     os.chdir(REPO)
     from benchmarks.configs import prepare
     from rlhf.config import load_run_config
@@ -124,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(str(k), k, False) for k in args.staleness]  # (label, staleness, partial rollouts)
     variants += [(f"{k}+partial", k, True) for k in args.staleness if k and args.partial]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
-    for i in range(args.rounds):
+    for i, seed in enumerate(seeds):
+        extra = (*args.set, *([f"seed={seed}"] if seed is not None else []))
         for label, k, partial in variants:
-            print(f"stale_sync: round {i + 1}, staleness {label} ...", file=sys.stderr, flush=True)
+            print(f"stale_sync: round {i + 1}{f' (seed {seed})' if seed is not None else ''}, staleness {label} ...",
+                  file=sys.stderr, flush=True)
             r = run_once(config, k, OUT / f"s{label.replace('+', '_')}_r{i + 1}", args.steps, args.eval_every, partial,
-                         tuple(args.set))
+                         extra)
+            r["seed"] = seed
             print(f"stale_sync: {json.dumps(r)}", file=sys.stderr, flush=True)
             if "failed" in r:
                 print(json.dumps({"failed": r}))
@@ -146,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         if k != "0":  # at each of its evaluations: this run's accuracy and the synchronous run's by the same time
             summary[k]["accuracy_vs_sync_at_equal_time"] = [
                 (t, a, accuracy_at(runs["0"][i]["accuracy"], t)) for i, r in enumerate(rs) for _, a, t in r["accuracy"]]
+            summary[k]["equal_time"] = equal_time(runs["0"], rs)
     svg({f"staleness {k} (round {i + 1})": r["accuracy"] for k, rs in runs.items() for i, r in enumerate(rs)},
         OUT / "accuracy_vs_time.svg")
-    print(json.dumps({"config": str(config), "overrides": args.set, "rounds": args.rounds, "summary": summary,
+    print(json.dumps({"config": str(config), "overrides": args.set, "rounds": len(seeds), "seeds": args.seeds,
+                      "summary": summary,
                       "runs": {k: rs for k, rs in runs.items()}, "plot": str(OUT / "accuracy_vs_time.svg")}))
     return 0
 
