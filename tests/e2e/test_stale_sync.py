@@ -243,3 +243,25 @@ def test_partial_rollouts_in_the_loop(tiny, ray_session, tmp_path):
     assert result["syncs"] == 6 and result["staleness_max"] <= 2 and result["samples_dropped"] == 0
     assert sum(m["stale/mixed_version_samples"] for m in steps) > 0
     assert result["parity_max_abs_diff"] < 2e-2  # on the samples of the weights each step starts from
+
+
+def test_the_two_pool_config_runs_as_shipped(tiny, ray_session, tmp_path):
+    """configs/tiny_cpu_async.yaml as shipped (staleness 1, a one-rank trainer on device 0, the engine and
+    the reward on device 1): the engine generates ahead on its own device, no sample is older than the bound,
+    every group is trained on once, in order, and every sync is exact."""
+    d, _ = tiny
+    out = tmp_path / "run"
+    cfg = _cfg(d, out, "steps=4", "eval_every=100", config=REPO / "configs/tiny_cpu_async.yaml")
+    from rlhf.placement.device_map import device_map
+
+    dm = device_map(cfg)
+    assert cfg.stale_sync.max_staleness == 1 and dm.devices_of("trainer") == (0,) and dm.devices_of("rollout") == (1,)
+    assert not dm.shared("trainer", "rollout")
+    result = train(cfg)
+    steps = _steps(out)
+    P = cfg.data.prompts_per_step
+    assert result["steps_run"] == 4 and result["staleness_max"] == 1 and result["samples_dropped"] == 0
+    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(4)]
+    # each sync checksummed (a bad block raises), over the transport between the pools: no shared memory
+    assert result["syncs"] == 4 and all(m["sync/checked_transfers"] > 0 and m["sync/bytes_shm"] == 0 for m in steps)
+    assert result["parity_max_abs_diff"] < 2e-2
