@@ -83,8 +83,8 @@ def simulate_lines(cfg: RunConfig, result: dict) -> list[str]:
         if v:
             lines.append(f"  {k:<11} {v:9.3f}  {100 * v / step:5.1f} %" if step else f"  {k:<11} {v:9.3f}")
     hidden = sum(result["phases"].values()) - step
-    if hidden > 1e-9:  # StaleSync: phases that run beside others leave the step
-        lines.append(f"  overlapped  {-hidden:9.3f}  {-100 * hidden / step:5.1f} %  (beside other phases: stale_sync)")
+    if hidden > 1e-9:  # streamed scoring, StaleSync: phases that run beside others leave the step
+        lines.append(f"  overlapped  {-hidden:9.3f}  {-100 * hidden / step:5.1f} %  (run beside other phases)")
     g = result["generation"]
     lines += [f"  step        {step:9.3f}  ({result['tokens_per_second']:.1f} generated tokens/s)",
               f"  generation: batch {g['batch']} per engine in {g['waves']} wave(s); the KV cache holds "
