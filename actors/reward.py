@@ -13,21 +13,25 @@ import time
 from typing import Sequence
 
 from actors.replies import ScoreReply
-from rlhf.data.verifiers import RULES
-from rlhf.schema import DeviceType, RewardKind
+from rlhf.data.verifiers import RULES, score_batch
+from rlhf.schema import DeviceType, RewardKind, SandboxConfig
 
 
 class RuleRewardWorker:
-    def __init__(self, kind: RewardKind):
+    """A rule verifier; `sandbox` are the code verifier's limits (`reward.kind: code`)."""
+
+    def __init__(self, kind: RewardKind, sandbox: SandboxConfig = SandboxConfig()):
         if kind not in RULES:
             raise ValueError(f"reward.kind = {kind.value!r} is not a rule verifier; use one of "
                              f"{[k.value for k in RULES]}")
-        self.kind, self.rule = kind, RULES[kind]
+        self.kind, self.sandbox = kind, sandbox
 
     def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:
         """`prompts` is accepted so every reward worker is called alike; rules only read the answers."""
         t0 = time.time()
-        scores = [self.rule(r, a) for r, a in zip(responses, answers, strict=True)]
+        if len(answers) != len(responses):
+            raise ValueError(f"{len(responses)} responses and {len(answers)} answers: give one answer per response")
+        scores = score_batch(self.kind, responses, answers, self.sandbox)
         return ScoreReply(scores, t0, time.time() - t0)
 
 

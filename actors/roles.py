@@ -106,7 +106,7 @@ class Roles:
             rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
         else:
-            rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, **slot("reward", i))
+            rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, cfg.reward.sandbox, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
         roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60)
         roles.start_engine, roles.start_policy, roles.sync_layout = start_engine, start_policy, sync_layout

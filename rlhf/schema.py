@@ -364,6 +364,20 @@ class RewardKind(Enum):
     exact_match = "exact_match"  # the tiny task's integer answer (rlhf.data.arithmetic.is_correct)
     math_verify = "math_verify"  # math answers compared symbolically by HF math-verify
     model = "model"  # a reward model: our decoder with a scalar head, from `reward.model_path`
+    code = "code"  # the response's program run against the answer's tests in a sandbox (rlhf.data.sandbox)
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits of each program run by the code verifier (`reward.kind: code`, docs/code_reward.md)."""
+
+    timeout_s: float = 5.0  # wall clock per run (one per stdin/stdout case); CPU seconds are capped at it + 1
+    memory_mb: int = 1024  # address space of the program's process
+    max_output_kb: int = 1024  # stdout, stderr and any file it writes
+    processes: int = 2  # programs run at once by each reward worker
+    # false: the standard library only (`python -I -S`, starts in ~8 ms); true: also the packages installed
+    # beside the reward worker (numpy, ...), ~25 ms a start here
+    site_packages: bool = False
 
 
 @dataclass(frozen=True)
@@ -371,6 +385,7 @@ class RewardConfig:
     kind: RewardKind = RewardKind.exact_match
     workers: int = 1  # reward actors; samples are split over them
     model_path: Optional[str] = None  # HF directory of the reward model (kind: model)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # kind: code
 
 
 class TrackingMode(Enum):

@@ -308,7 +308,18 @@ def dapo_problems(a: AlgorithmConfig) -> list[Problem]:
 
 
 def reward_problems(w: RewardConfig) -> list[Problem]:
-    """A reward model needs its directory (read by the reward workers); a rule verifier reads none."""
+    """A reward model needs its directory (read by the reward workers); a rule verifier reads none; the code
+    verifier's limits are positive."""
+    b = w.sandbox
+    p = [Problem(f"reward.sandbox.{k}", v, f"must be > 0 ({what})") for k, v, what in (
+        ("timeout_s", b.timeout_s, "seconds a program may run"), ("memory_mb", b.memory_mb, "its address space"),
+        ("max_output_kb", b.max_output_kb, "its output"), ("processes", b.processes, "programs run at once"))
+        if not v > 0]
+    if b.memory_mb < 64 and b.memory_mb > 0:
+        p.append(Problem("reward.sandbox.memory_mb", b.memory_mb, "is below what a Python interpreter needs to "
+                         "start (about 30 MB of address space; 64 at least)"))
+    if p:
+        return p
     if w.kind is not RewardKind.model:
         if w.model_path:
             return [Problem("reward.model_path", w.model_path, f"is only read with reward.kind = model (kind is "

@@ -123,3 +123,21 @@ def fit_context(prompts: PromptSet, count: Callable[[str], int], limit: int, why
     if not kept:
         raise DatasetError(f"no prompt fits in {limit} tokens ({why}); {skipped} rows skipped")
     return PromptSet(tuple(kept), skipped)
+
+
+def valid_answers(prompts: PromptSet, check: Callable[[str], None], what: str, skip_bad_rows: bool) -> PromptSet:
+    """The rows whose answer `check` accepts (it raises ValueError saying what is wrong; `what` names the
+    verifier). A refused one raises naming its row, or with `skip_bad_rows` is skipped and counted."""
+    kept, skipped = [], prompts.skipped
+    for row in prompts.rows:
+        try:
+            check(row.answer)
+            kept.append(row)
+        except ValueError as e:
+            if not skip_bad_rows:
+                raise DatasetError(f"{row.source}: the answer is not {what}: {e}; fix the row, or set "
+                                   "data.skip_bad_rows=true to skip such rows") from None
+            skipped += 1
+    if not kept:
+        raise DatasetError(f"no row's answer is {what}; {skipped} rows skipped")
+    return PromptSet(tuple(kept), skipped)

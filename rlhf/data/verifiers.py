@@ -2,14 +2,18 @@
 
 `exact_match` is the tiny task's check (the response's leading integer equals the answer); `math_verify`
 compares final answers symbolically with Hugging Face's math-verify (LaTeX, fractions, sets, ...), the
-verifier DAPO / Open-R1 style math runs use. A response that cannot be parsed scores 0, never an
-exception that would stop the run. The reward workers (`actors.reward`) and held-out evaluation use them.
+verifier DAPO / Open-R1 style math runs use; `code` runs the response's program against the answer's
+tests in a sandbox (`rlhf.data.sandbox`). A response that cannot be parsed scores 0, never an exception that
+would stop the run. The reward workers (`actors.reward`) and held-out evaluation call `score_batch`.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from rlhf.data import sandbox
 from rlhf.data.arithmetic import is_correct
-from rlhf.schema import RewardKind
+from rlhf.schema import RewardKind, SandboxConfig
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -26,4 +30,17 @@ def math_verify_score(response: str, answer: str) -> float:
         return 0.0
 
 
-RULES = {RewardKind.exact_match: exact_match, RewardKind.math_verify: math_verify_score}
+def code_score(response: str, answer: str, cfg: SandboxConfig = SandboxConfig()) -> float:
+    return sandbox.check(response, answer, cfg).score
+
+
+RULES = {RewardKind.exact_match: exact_match, RewardKind.math_verify: math_verify_score, RewardKind.code: code_score}
+
+
+def score_batch(kind: RewardKind, responses: Sequence[str], answers: Sequence[str],
+                cfg: SandboxConfig = SandboxConfig()) -> list[float]:
+    """One score per response by the rule `kind`; code runs `cfg.processes` programs at a time."""
+    if kind is RewardKind.code:
+        return [r.score for r in sandbox.check_batch(responses, answers, cfg)]
+    rule = RULES[kind]
+    return [rule(r, a) for r, a in zip(responses, answers, strict=True)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
-from rlhf.data.verifiers import RULES
+from rlhf.data.verifiers import RULES, score_batch
 from rlhf.errors import ShortBatch
 from rlhf.schema import RewardKind, RunConfig
 
@@ -156,8 +156,8 @@ class Draw:
 def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     """Greedy accuracy of the engines' current weights on the held-out prompts, by the run's rule
     verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
-    rule = RULES.get(cfg.reward.kind, RULES[RewardKind.exact_match])
+    kind = cfg.reward.kind if cfg.reward.kind in RULES else RewardKind.exact_match
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0, phase="evaluate")
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
-    return sum(rule(t, rows[c.prompt_index].answer) for t, c in zip(texts, comps)) / len(comps)
+    return sum(score_batch(kind, texts, [rows[c.prompt_index].answer for c in comps], cfg.reward.sandbox)) / len(comps)

@@ -23,7 +23,8 @@ from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
                              rng_state, set_rng_state, step_dir)
 from rlhf.config.load import as_dict
-from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
+from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts, valid_answers
+from rlhf.data.sandbox import parse_tests
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.driver.balance import ExpertBalancing
@@ -36,7 +37,7 @@ from rlhf.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RunConfig, engine_kills, trainer_kills
+from rlhf.schema import DeviceType, RewardKind, RunConfig, engine_kills, trainer_kills
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
@@ -75,6 +76,8 @@ class RunInputs:
         def prompts(key: str):
             try:
                 rows = load_prompts(getattr(d, key), d.prompt_key, d.answer_key, d.skip_bad_rows)
+                if cfg.reward.kind is RewardKind.code:  # tests that cannot run would score every sample 0
+                    rows = valid_answers(rows, parse_tests, "tests for reward.kind=code", d.skip_bad_rows)
                 return fit_context(rows, lambda p: len(tokenizer.encode(p).ids), limit, what, d.skip_bad_rows)
             except DatasetError as e:
                 raise DatasetError(f"data.{key}: {e}") from None

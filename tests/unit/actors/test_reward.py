@@ -81,3 +81,15 @@ def test_a_rule_reward_worker_does_not_load_torch():
 
     code = "import sys, actors.reward; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_code_worker_runs_each_program_against_its_tests():
+    from rlhf.schema import SandboxConfig
+
+    w = RuleRewardWorker(RewardKind.code, SandboxConfig(timeout_s=2.0, processes=2))
+    tests = "assert sq(3) == 9"
+    out = w.score(["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return 2 * x\n", "while True: pass"],
+                  [tests, tests, tests], prompts=["p"] * 3)
+    assert out.scores == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="one answer per response"):
+        w.score(["a"], [])

@@ -199,3 +199,21 @@ def test_broken_model_directories_are_refused_naming_the_file(policy, tmp_path, 
     with pytest.raises(ConfigError, match="model.path") as e:
         _prepare(raw, tmp_path / "run.yaml")
     assert message in str(e.value), str(e.value)
+
+
+def test_code_reward_refuses_answers_that_are_no_tests_before_any_actor_starts(policy, tmp_path):
+    raw = _base(policy, tmp_path / "out")
+    raw.setdefault("reward", {})["kind"] = "code"
+    with pytest.raises(DatasetError, match=r"data.train_files: .*train.jsonl:1: the answer is not tests for "
+                                           r"reward.kind=code: the tests check nothing"):
+        _prepare(raw, tmp_path / "run.yaml")
+    rows = [{"prompt": f"{a}+{b}=", "answer": f"assert f({a}, {b}) == {a + b}"} for a, b in ((1, 2), (3, 4), (5, 6))]
+    rows.append({"prompt": "9+9=", "answer": "assert ("})  # not Python
+    for name in ("train.jsonl", "heldout.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw["data"]["train_files"], raw["data"]["heldout_files"] = [str(tmp_path / "train.jsonl")], [str(tmp_path / "heldout.jsonl")]
+    with pytest.raises(DatasetError, match=r"train.jsonl:4: the answer is not tests .*not valid Python"):
+        _prepare(raw, tmp_path / "run.yaml")
+    raw["data"]["skip_bad_rows"] = True
+    inputs = _prepare(raw, tmp_path / "run2.yaml")
+    assert len(inputs.sampler.rows) == 3 and len(inputs.heldout) == 3

@@ -29,3 +29,13 @@ def test_model_path_without_model_kind_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.model_path = '/x': is only read with reward.kind = model "
                                           r"\(kind is math_verify\)"):
         _load(tmp_path, "reward.kind=math_verify", "reward.model_path=/x")
+
+
+def test_sandbox_limits_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match=r"reward.sandbox.timeout_s = 0.0: must be > 0") as e:
+        _load(tmp_path, "reward.kind=code", "reward.sandbox.timeout_s=0", "reward.sandbox.processes=-1")
+    assert "reward.sandbox.processes = -1" in str(e.value)
+    with pytest.raises(ConfigError, match=r"reward.sandbox.memory_mb = 32: is below what a Python interpreter needs"):
+        _load(tmp_path, "reward.kind=code", "reward.sandbox.memory_mb=32")
+    cfg = _load(tmp_path, "reward.kind=code", "reward.sandbox.timeout_s=2.5")
+    assert cfg.reward.sandbox.timeout_s == 2.5 and cfg.reward.sandbox.processes == 2

@@ -1,0 +1,79 @@
+"""The code verifier's seconds per sample (`reward.kind: code`), for `rlhf simulate --reward-seconds`.
+
+    python -m benchmarks.sandbox_bench                     # 64 samples, processes 1 and 2
+    python -m benchmarks.sandbox_bench --samples 128 --processes 1 2 4
+
+Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style
+(a function and three asserts, one run each), half stdin/stdout (three cases, a run each); a quarter of
+the programs are wrong. Every configuration is timed `--rounds` times, interleaved; the median wall-clock
+seconds over the samples is the seconds per sample a reward worker with that many `processes` spends. Ends
+with one JSON line (`seconds_per_sample` per processes setting, and the runs per sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+ASSERT_OK = "```python\ndef add(a, b):\n    return a + b\n```"
+ASSERT_BAD = "def add(a, b):\n    return a - b\n"
+ASSERT_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15"
+STDIO_OK = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n"
+STDIO_BAD = "print(0)\n"
+STDIO_TESTS = json.dumps({"inputs": ["1 2\n", "10 -4\n", "0 0\n"], "outputs": ["3", "6", "0"]})
+
+
+def samples(n: int) -> tuple[list[str], list[str], int]:
+    """n (response, tests) pairs and the program runs they take (a wrong stdio program stops at its first case)."""
+    responses, answers, runs = [], [], 0
+    for i in range(n):
+        wrong = i % 4 == 3
+        if i % 2 == 0:
+            responses.append(ASSERT_BAD if wrong else ASSERT_OK)
+            answers.append(ASSERT_TESTS)
+            runs += 1
+        else:
+            responses.append(STDIO_BAD if wrong else STDIO_OK)
+            answers.append(STDIO_TESTS)
+            runs += 1 if wrong else 3
+    return responses, answers, runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sandbox_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    if args.samples < 4 or args.rounds < 1 or min(args.processes) < 1:
+        parser.error("--samples >= 4, --rounds >= 1 and every --processes >= 1")
+
+    from rlhf.data.sandbox import check_batch
+    from rlhf.schema import SandboxConfig
+
+    responses, answers, runs = samples(args.samples)
+    expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
+    times: dict[int, list[float]] = {p: [] for p in args.processes}
+    for _ in range(args.rounds):
+        for p in args.processes:
+            t0 = time.perf_counter()
+            scores = [r.score for r in check_batch(responses, answers, SandboxConfig(timeout_s=args.timeout_s,
+                                                                                     processes=p))]
+            times[p].append(time.perf_counter() - t0)
+            if scores != expected:
+                raise SystemExit(f"processes {p}: scores {scores} differ from the expected {expected}")
+    per_sample = {str(p): round(statistics.median(t) / args.samples, 4) for p, t in times.items()}
+    for p, t in times.items():
+        print(f"processes {p}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
+              f"({per_sample[str(p)] * 1000:.1f} ms a sample)", flush=True)
+    print(json.dumps({"samples": args.samples, "runs_per_sample": round(runs / args.samples, 2),
+                      "seconds_per_sample": per_sample,
+                      "seconds_all": {str(p): [round(s, 3) for s in t] for p, t in times.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""The code verifier's sandbox: real `python -I` processes under limits, scored against both test forms."""
+
+import json
+import os
+import time
+
+import pytest
+
+from rlhf.data.sandbox import check, check_batch, extract_program, parse_tests
+from rlhf.schema import SandboxConfig
+
+FAST = SandboxConfig(timeout_s=3.0, memory_mb=512, max_output_kb=64, processes=2)
+ADD = "def add(a, b):\n    return a + b\n"
+ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
+SUM_STDIO = json.dumps({"inputs": ["1 2\n", "10 -4\n"], "outputs": ["3\n", "6"]})
+
+
+def test_the_program_is_the_last_fenced_block_or_the_whole_response():
+    assert extract_program("x = 1") == "x = 1"
+    text = "first\n```python\na = 1\n```\nthen\n```py\nb = 2\n```\ndone"
+    assert extract_program(text) == "b = 2\n"
+    assert extract_program("```\nprint(3)\n```") == "print(3)\n"
+
+
+def test_tests_parse_in_both_forms_and_bad_ones_say_what_is_wrong():
+    assert parse_tests(ADD_TESTS).asserts == ADD_TESTS
+    assert parse_tests(SUM_STDIO).cases == (("1 2\n", "3\n"), ("10 -4\n", "6"))
+    for bad, msg in (("", "empty"), ("assert (", "not valid Python"), ("{not json", "not JSON"),
+                     ('{"inputs": ["1"], "outputs": []}', "as long as each other"),
+                     ('{"inputs": [1], "outputs": [1]}', "lists of strings")):
+        with pytest.raises(ValueError, match=msg):
+            parse_tests(bad)
+
+
+def test_assert_tests_pass_fail_and_break():
+    assert check(f"```python\n{ADD}```", ADD_TESTS, FAST).status == "passed"
+    wrong = check("def add(a, b):\n    return a - b\n", ADD_TESTS, FAST)
+    assert (wrong.score, wrong.status) == (0.0, "failed") and "AssertionError" in wrong.detail
+    broken = check("def add(a, b) return a", ADD_TESTS, FAST)
+    assert (broken.score, broken.status) == (0.0, "error") and "SyntaxError" in broken.detail
+    assert check("raise RuntimeError('no')", ADD_TESTS, FAST).status == "error"
+
+
+def test_stdin_stdout_cases_compare_lines_without_trailing_whitespace():
+    prog = "a, b = map(int, input().split())\nprint(a + b, '  ')\n"
+    assert check(prog, SUM_STDIO, FAST).score == 1.0
+    r = check("print(3)", SUM_STDIO, FAST)  # right on the first case only
+    assert r.status == "failed" and r.detail.startswith("case 1")
+    # sys.exit(0) is a normal end of a stdin/stdout program
+    assert check("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)", SUM_STDIO, FAST).score == 1.0
+
+
+def test_a_program_that_exits_before_the_asserts_scores_zero():
+    for early in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
+        r = check(ADD + early, "assert add(1, 1) == 3", FAST)
+        assert (r.score, r.status) == (0.0, "error"), early
+        assert "before the tests ran to the end" in r.detail, r.detail
+
+
+def test_limits_stop_loops_memory_and_output_floods():
+    t0 = time.perf_counter()
+    r = check("while True:\n    pass", "assert True", SandboxConfig(timeout_s=1.0, memory_mb=512, processes=1))
+    assert (r.status, r.score) == ("timeout", 0.0) and time.perf_counter() - t0 < 5
+    r = check("x = bytearray(2 * 1024 ** 3)", "assert len(x) > 0", FAST)
+    assert r.status == "error" and "MemoryError" in r.detail
+    r = check("while True:\n    print('x' * 1000)", "assert True", FAST)
+    assert r.status == "error" and "KiB of output" in r.detail
+
+
+def _alive(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmd and state != b"Z":
+            found.append(int(pid))
+    return found
+
+
+def test_children_the_program_started_are_killed_with_it():
+    # one child in the run's group, one that moved to a group of its own; the program itself ends at once
+    prog = ("import os, subprocess\n"
+            "subprocess.Popen(['sleep', '61.2345'])\n"
+            "subprocess.Popen(['sleep', '61.2346'], preexec_fn=os.setpgrp)\n"
+            "print(3)\n")
+    assert check(prog, json.dumps({"inputs": [""], "outputs": ["3"]}), FAST).score == 1.0
+    deadline = time.time() + 5
+    while (_alive("61.2345") or _alive("61.2346")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive("61.2345") and not _alive("61.2346")
+
+
+def test_a_batch_keeps_order_runs_in_parallel_and_leaves_no_directory():
+    import tempfile
+
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rlhf-sandbox-")}
+    responses = [ADD, "def add(a, b):\n    return 0\n", "import time\ntime.sleep(0.6)\n" + ADD, ADD]
+    t0 = time.perf_counter()
+    results = check_batch(responses, [ADD_TESTS, ADD_TESTS, ADD_TESTS, "not python ("], FAST)
+    assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert results[3].status == "bad_tests"
+    assert time.perf_counter() - t0 < 10
+    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rlhf-sandbox-")}
+    assert after == before
+    with pytest.raises(ValueError, match="one answer per response"):
+        check_batch(["x"], [], FAST)
+
+
+def test_tests_that_check_nothing_are_refused():
+    for nothing in ("405", "x = 1", "pass"):
+        with pytest.raises(ValueError, match="check nothing"):
+            parse_tests(nothing)
+    assert parse_tests("check(add)").asserts == "check(add)"  # HumanEval's form: a call that asserts
+
+
+def test_installed_packages_are_importable_only_when_asked():
+    prog, tests = "import yaml\n", "assert yaml.safe_load('a: 1') == {'a': 1}"
+    r = check(prog, tests, FAST)
+    assert r.status == "error" and "ModuleNotFoundError" in r.detail
+    assert check(prog, tests, SandboxConfig(timeout_s=5.0, site_packages=True)).score == 1.0
