@@ -98,6 +98,7 @@ def _simulate(args) -> int:
     from rlhf.config import load_run_config
     from rlhf.errors import ConfigError
     from rlhf.sim import default_hardware, load_hardware, search_config, simulate, write_config
+    from rlhf.schema import RewardKind
     from rlhf.sim.report import search_lines, simulate_lines
 
     cfg = load_run_config(args.config, args.overrides)
@@ -116,6 +117,10 @@ def _simulate(args) -> int:
                           f"(0: the hardware file's reward cost)")
     if (args.devices or args.write) and not args.search:
         raise ConfigError("--devices and --write go with --search")
+    if cfg.reward.kind is RewardKind.code and not args.reward_seconds:
+        print("note: reward.kind = code runs programs: the hardware file prices a rule verifier's microseconds; "
+              "measure the sandbox (python -m benchmarks.sandbox_bench --processes "
+              f"{cfg.reward.sandbox.processes}) and pass its seconds per sample as --reward-seconds", file=sys.stderr)
     hw = load_hardware(args.hardware or default_hardware(cfg.placement.device_type.value))
     lengths = dict(prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
                    expert_load_skew=args.expert_load_skew, reward_sample_seconds=args.reward_seconds)

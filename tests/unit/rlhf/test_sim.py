@@ -278,6 +278,11 @@ def test_the_search_takes_co_located_staleness_where_the_reward_is_slow(tmp_path
     assert "take turns" in capsys.readouterr()[1]  # the loop line of the plan
     assert main(["simulate", cfg, "--reward-seconds", "-1"]) == 2
     assert "--reward-seconds -1.0: a verifier's seconds per sample" in capsys.readouterr()[1]
+    # the code verifier runs programs: without a measured cost the note says how to measure it
+    assert main(["simulate", cfg, "reward.kind=code"]) == 0
+    assert "python -m benchmarks.sandbox_bench --processes 2" in capsys.readouterr()[1]
+    assert main(["simulate", cfg, "reward.kind=code", "--reward-seconds", "0.02"]) == 0
+    assert "sandbox_bench" not in capsys.readouterr()[1]
 
 
 def test_fit_recovers_a_known_calibration_and_scores_predictions():
