@@ -11,9 +11,9 @@ from pathlib import Path
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
+from rlhf.config.chaos import engine_kills, trainer_kills
 from rlhf.schema import (AlgorithmConfig, Attention, DType, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RouterScoring, RoutingReplay, RunConfig, engine_kills,
-                         trainer_kills)
+                         RewardKind, RouterScoring, RoutingReplay, RunConfig)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]

@@ -37,7 +37,8 @@ from rlhf.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RewardKind, RunConfig, engine_kills, trainer_kills
+from rlhf.config.chaos import engine_kills, trainer_kills
+from rlhf.schema import DeviceType, RewardKind, RunConfig
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan

@@ -9,7 +9,8 @@ from rlhf.config import load_run_config
 from actors.remote import RoleError
 from rlhf.driver.faults import policy_died, policy_restart_refusal, restart_refusal
 from rlhf.errors import ConfigError
-from rlhf.schema import RolloutConfig, engine_kills, trainer_kills
+from rlhf.config.chaos import engine_kills, trainer_kills
+from rlhf.schema import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[4]
 
