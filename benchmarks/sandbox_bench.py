@@ -2,10 +2,11 @@
 
     python -m benchmarks.sandbox_bench                     # 64 samples, processes 1 and 2
     python -m benchmarks.sandbox_bench --samples 128 --processes 1 2 4
+    python -m benchmarks.sandbox_bench --cases 20           # stdin/stdout samples of 20 cases (CodeContests-like)
 
 Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style
-(a function and three asserts, one run each), half stdin/stdout (three cases, a run each); a quarter of
-the programs are wrong. Every configuration is timed `--rounds` times, interleaved; the median wall-clock
+(a function and three asserts, one run), half stdin/stdout (`--cases` cases, 3 by default, a run each); a
+quarter of the programs are wrong. Every configuration is timed `--rounds` times, interleaved; the median wall-clock
 seconds over the samples is the seconds per sample a reward worker with that many `processes` spends. Ends
 with one JSON line (`seconds_per_sample` per processes setting, and the runs per sample).
 """
@@ -22,12 +23,17 @@ ASSERT_BAD = "def add(a, b):\n    return a - b\n"
 ASSERT_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15"
 STDIO_OK = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n"
 STDIO_BAD = "print(0)\n"
-STDIO_TESTS = json.dumps({"inputs": ["1 2\n", "10 -4\n", "0 0\n"], "outputs": ["3", "6", "0"]})
 
 
-def samples(n: int) -> tuple[list[str], list[str], int]:
+def stdio_tests(cases: int) -> str:
+    pairs = [(i * 7 - 20, 3 - i) for i in range(cases)]
+    return json.dumps({"inputs": [f"{a} {b}\n" for a, b in pairs], "outputs": [str(a + b) for a, b in pairs]})
+
+
+def samples(n: int, cases: int = 3) -> tuple[list[str], list[str], int]:
     """n (response, tests) pairs and the program runs they take (a wrong stdio program stops at its first case)."""
     responses, answers, runs = [], [], 0
+    tests = stdio_tests(cases)
     for i in range(n):
         wrong = i % 4 == 3
         if i % 2 == 0:
@@ -36,8 +42,8 @@ def samples(n: int) -> tuple[list[str], list[str], int]:
             runs += 1
         else:
             responses.append(STDIO_BAD if wrong else STDIO_OK)
-            answers.append(STDIO_TESTS)
-            runs += 1 if wrong else 3
+            answers.append(tests)
+            runs += 1 if wrong else cases
     return responses, answers, runs
 
 
@@ -47,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--cases", type=int, default=3, help="stdin/stdout cases of each such sample")
     args = parser.parse_args(argv)
-    if args.samples < 4 or args.rounds < 1 or min(args.processes) < 1:
-        parser.error("--samples >= 4, --rounds >= 1 and every --processes >= 1")
+    if args.samples < 4 or args.rounds < 1 or min(args.processes) < 1 or args.cases < 1:
+        parser.error("--samples >= 4, --rounds >= 1, --cases >= 1 and every --processes >= 1")
 
     from rlhf.data.sandbox import check_batch
     from rlhf.schema import SandboxConfig
 
-    responses, answers, runs = samples(args.samples)
+    responses, answers, runs = samples(args.samples, args.cases)
     expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
     times: dict[int, list[float]] = {p: [] for p in args.processes}
     for _ in range(args.rounds):
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for p, t in times.items():
         print(f"processes {p}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
               f"({per_sample[str(p)] * 1000:.1f} ms a sample)", flush=True)
-    print(json.dumps({"samples": args.samples, "runs_per_sample": round(runs / args.samples, 2),
+    print(json.dumps({"samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
                       "seconds_per_sample": per_sample,
                       "seconds_all": {str(p): [round(s, 3) for s in t] for p, t in times.items()}}))
     return 0

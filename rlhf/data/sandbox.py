@@ -12,14 +12,15 @@ response when it has none. A response scores 1.0 when every test passes, else 0.
 verl's code rewards score); it never raises: a syntax error, an exception, a wrong output, a timeout or a
 memory blow-up all score 0 (`SandboxResult.status` says which).
 
-Each run is a fresh `python -I -S` process (no site-packages, no user site, no PYTHON* variables; with
-`site_packages` the worker's installed packages are importable) in its own temporary directory
-(its cwd and HOME, removed afterwards) and its own session, under resource limits: address space
-(`memory_mb`), CPU seconds and a wall-clock `timeout_s`, file size, no core files; stdout and stderr capped at
-`max_output_kb`. At the end of every run, passed or killed, its process group and every process left in its
-session are killed, so a program that started children leaves none behind. This is a process sandbox with limits, not a security boundary: the
-program can read what the worker's user can and reach the network; run untrusted code at scale in reward
-workers inside containers without network (docs/code_reward.md).
+Each sample runs in a fresh `python -I -S` process (no site-packages, no user site, no PYTHON* variables;
+with `site_packages` the worker's installed packages are importable), stdin/stdout cases each in a fork of
+it, in its own temporary directory (cwd and HOME, removed afterwards) and its own session, under resource
+limits: address space (`memory_mb`), CPU seconds and a wall-clock `timeout_s` per run, file size, no core
+files; stdout and stderr capped at `max_output_kb`. At the end, passed or killed, its process group and every
+process left in its session are killed, so a program that started children leaves none behind. This is a
+process sandbox with limits, not a security boundary: the program can read what the worker's user can and
+reach the network; run untrusted code at scale in reward workers inside containers without network
+(docs/code_reward.md).
 """
 
 from __future__ import annotations
@@ -95,29 +96,90 @@ class SandboxResult:
 
 
 # Sets the limits inside the child, then runs the program as __main__ (no preexec_fn: the reward worker has
-# threads, and a fork with threads must exec at once). A run counts as finished only when the launcher gets
-# past the program and writes a nonce the program never sees (read from a pipe, closed before the program
-# starts) to `done`: a program that exits early (`sys.exit(0)` before the asserts, `os._exit`) fails. With
-# stdin/stdout tests `sys.exit(0)` is a normal end.
+# threads, and a fork with threads must exec at once); compiled and exec'd in a fresh `__main__` module, not by
+# runpy, whose lazy imports (pkgutil, typing) cost 12-14 ms a run.
+# assert-style: the program and its tests run in the launcher; the run counts as finished only when the
+# launcher gets past them and writes a nonce the program never sees (read from a pipe, closed before the program
+# starts) to `done`: a program that exits early (`sys.exit(0)` before the asserts, `os._exit`) fails.
+# stdin/stdout: one interpreter per sample and a fork per case (a case costs a fork, not a Python start): each
+# child closes both pipes at once, takes in_<i> / out_<i> / err_<i> as fds 0-2 and runs the program; the
+# launcher waits for it (killed past timeout_s), reports "<case> <exit code or ->" on the progress pipe, where
+# the worker compares that case's output (the expected outputs never enter the sandbox) and kills the run at
+# the first wrong one, and stops itself at the first case that fails or times out. It reads the nonce only
+# after the last case and ends the progress with it. `sys.exit(0)` is a normal end of a case.
 _LAUNCH = """\
-import os, resource, runpy, sys
-mem, cpu, size, fd = (int(v) for v in sys.argv[1:5])
-exit_ok = sys.argv[5] == "stdio"
-nonce = os.read(fd, 64)
-os.close(fd)
+import os, resource, sys, types
+mem, cpu, size, fd, cases, progress = (int(v) for v in sys.argv[1:7])
+mode, timeout = sys.argv[7], float(sys.argv[8])
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 sys.argv = ["main.py"]
+def run(code):
+    main = types.ModuleType("__main__")
+    main.__file__ = "main.py"
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+with open("main.py", "rb") as f:
+    source = f.read()
+if mode == "asserts":
+    nonce = os.read(fd, 64)
+    os.close(fd)
+    run(compile(source, "main.py", "exec"))
+    sys.stdout.flush()
+    with open("done", "wb") as f:
+        f.write(nonce)
+    sys.exit(0)
+import select, signal, traceback
 try:
-    runpy.run_path("main.py", run_name="__main__")
-except SystemExit as e:
-    if not exit_ok or e.code not in (None, 0):
-        raise
-sys.stdout.flush()
-with open("done", "wb") as f:
-    f.write(nonce)
+    code = compile(source, "main.py", "exec")  # once: each case's fork runs it
+except BaseException:
+    with open("err_0", "w") as f:
+        traceback.print_exc(file=f)
+    os.write(progress, b"0 1\\nend " + os.read(fd, 64) + b"\\n")
+    sys.exit(0)
+for i in range(cases):
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            os.close(fd)
+            os.close(progress)
+            for name, target, flags in ((f"in_{i}", 0, os.O_RDONLY), (f"out_{i}", 1, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                        (f"err_{i}", 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                os.dup2(os.open(name, flags, 0o600), target)
+            run(code)
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (e.code is not None)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            status = status or 1
+        os._exit(status)
+    try:
+        pfd = os.pidfd_open(pid)
+        done_in_time = bool(select.select([pfd], [], [], timeout)[0])
+        os.close(pfd)
+    except (AttributeError, OSError):
+        import time
+        end = time.monotonic() + timeout
+        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None and time.monotonic() < end:
+            time.sleep(0.001)
+        done_in_time = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    if not done_in_time:
+        os.kill(pid, signal.SIGKILL)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if done_in_time else None
+    os.write(progress, f"{i} {'-' if status is None else status}\\n".encode())
+    if status != 0:
+        break
+os.write(progress, b"end " + os.read(fd, 64) + b"\\n")
 """
 
 
@@ -167,53 +229,121 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def run_once(source: str, stdin: str, cfg: SandboxConfig, stdio: bool) -> tuple[str, int | None, str, str]:
-    """(status, exit code, stdout, stderr) of one run of `source`; status ok | timeout | output | early_exit.
+@dataclass(frozen=True)
+class CaseRun:
+    status: str  # ok | timeout | output | early_exit | error (the launcher itself failed)
+    code: int | None  # the exit code
+    out: str
+    err: str  # its tail
 
-    stdin, stdout and stderr are files in the run's directory: the output is capped by the file-size limit
-    (a write past it fails), never read into the worker's memory unbounded."""
+
+def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
+                wants: Sequence[str] | None = None) -> list[CaseRun]:
+    """Run `source` once (assert-style: `inputs` None) or once per input (stdin/stdout), up to the first case
+    that does not exit 0 or, given `wants`, whose output is not its want; one `CaseRun` per case run.
+
+    Every stdin, stdout and stderr is a file in the run's directory: output is capped by the file-size limit (a
+    write past it fails), never read into the worker's memory unbounded."""
     cap = cfg.max_output_kb * 1024
+    stdio = inputs is not None
+    n = len(inputs) if stdio else 1
     with tempfile.TemporaryDirectory(prefix="rlhf-sandbox-") as d:
-        with open(os.path.join(d, "main.py"), "w", encoding="utf-8") as f:
-            f.write(source)
-        with open(os.path.join(d, "stdin"), "w", encoding="utf-8") as f:
-            f.write(stdin)
+        def path(name: str) -> str:
+            return os.path.join(d, name)
+
+        def tail(name: str) -> str:
+            if not os.path.exists(path(name)):
+                return ""
+            with open(path(name), "rb") as f:
+                f.seek(max(0, os.path.getsize(path(name)) - 2000))
+                return f.read().decode("utf-8", "replace")
+
+        def case(i: int, status: str, code: int | None) -> CaseRun:
+            if status == "ok" and code != 0 and max(os.path.getsize(path(x)) if os.path.exists(path(x)) else 0
+                                                    for x in (f"out_{i}", f"err_{i}")) >= cap:
+                status = "output"  # the file-size limit stopped it (Python ignores SIGXFSZ: a write fails)
+            out = b""
+            if os.path.exists(path(f"out_{i}")):
+                with open(path(f"out_{i}"), "rb") as f:
+                    out = f.read(cap)
+            return CaseRun(status, code, out.decode("utf-8", "replace"), tail(f"err_{i}"))
+
+        Path(path("main.py")).write_text(source, encoding="utf-8")
+        for i, text in enumerate(inputs if stdio else [""]):
+            Path(path(f"in_{i}")).write_text(text, encoding="utf-8")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": d, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         nonce = secrets.token_hex(16).encode()
         r, w = os.pipe()
         os.write(w, nonce)
         os.close(w)
-        args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), str(r),
-                "stdio" if stdio else "asserts"]
-        with open(os.path.join(d, "stdin"), "rb") as fin, open(os.path.join(d, "stdout"), "wb") as fout, \
-                open(os.path.join(d, "stderr"), "wb") as ferr:
-            try:
-                flags = ["-I"] if cfg.site_packages else ["-I", "-S"]
-                proc = subprocess.Popen([sys.executable, *flags, "-c", _LAUNCH, *args], cwd=d, env=env, stdin=fin,
-                                        stdout=fout, stderr=ferr, start_new_session=True, pass_fds=(r,))
-            finally:
-                os.close(r)
-            try:
-                _wait(proc, cfg.timeout_s)
-                status = "ok"
-            except subprocess.TimeoutExpired:
-                status = "timeout"
-            finally:
-                _kill_group(proc)  # on timeout, and the children it started even after it exited
-                proc.wait()
-        if status == "ok" and proc.returncode != 0 and max(os.path.getsize(os.path.join(d, n)) for n in
-                                                          ("stdout", "stderr")) >= cap:
-            status = "output"  # the file-size limit stopped it (Python ignores SIGXFSZ: a write fails with EFBIG)
-        done = os.path.join(d, "done")
-        if status == "ok" and proc.returncode == 0 and not (os.path.exists(done) and Path(done).read_bytes() == nonce):
-            status = "early_exit"
-        with open(os.path.join(d, "stdout"), "rb") as f:
-            out = f.read(cap)
-        with open(os.path.join(d, "stderr"), "rb") as f:
-            f.seek(max(0, os.path.getsize(f.name) - 2000))
-            err = f.read()
-        return status, proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        pr, pw = os.pipe()  # the launcher's progress (stdin/stdout)
+        args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), str(r), str(n), str(pw),
+                "stdio" if stdio else "asserts", str(cfg.timeout_s)]
+        # assert-style: the launcher is the program (case 0's files); stdin/stdout: the launcher's own log
+        names = ("launcher.log", "launcher.log") if stdio else ("out_0", "err_0")
+        runs: list[CaseRun] = []
+        end = b""
+        try:
+            with open(path("in_0") if not stdio else os.devnull, "rb") as fin, open(path(names[0]), "wb") as fout, \
+                    open(path(names[1]), "ab") as ferr:
+                try:
+                    flags = ["-I"] if cfg.site_packages else ["-I", "-S"]
+                    proc = subprocess.Popen([sys.executable, *flags, "-c", _LAUNCH, *args], cwd=d, env=env,
+                                            stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
+                                            pass_fds=(r, pw))
+                finally:
+                    os.close(r)
+                    os.close(pw)
+                try:
+                    if stdio:
+                        end = _follow(pr, time.monotonic() + cfg.timeout_s * n + 1.0, runs, case, wants)
+                    else:
+                        _wait(proc, cfg.timeout_s)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    _kill_group(proc)  # on timeout or a wrong case, and the children it started after it exited
+                    proc.wait()
+        finally:
+            os.close(pr)
+        if not stdio:
+            if timed_out:
+                return [case(0, "timeout", None)]
+            done = Path(path("done")).read_bytes() if os.path.exists(path("done")) else b""
+            return [case(0, "early_exit" if proc.returncode == 0 and done != nonce else "ok", proc.returncode)]
+        if runs and (runs[-1].status != "ok" or runs[-1].code != 0 or
+                     (wants is not None and not _same_output(runs[-1].out, wants[len(runs) - 1]))):
+            return runs  # stopped at a case that failed: the verdict is in its run
+        if end != nonce:  # the launcher did not get through: killed at the deadline, or broke itself
+            return runs + [CaseRun("timeout" if timed_out else "error", proc.returncode, "", tail("launcher.log"))]
+        return runs
+
+
+def _follow(pr: int, deadline: float, runs: list, case, wants) -> bytes:
+    """Read the launcher's progress until its end line (returns the nonce in it) or the pipe closes (b""):
+    each finished case becomes a run, compared with its want at once; a wrong one ends the wait early.
+    TimeoutExpired past the deadline."""
+    buf = b""
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            what, _, value = line.partition(b" ")
+            if what == b"end":
+                return value
+            i = int(what)
+            runs.append(case(i, "ok" if value != b"-" else "timeout", None if value == b"-" else int(value)))
+            last = runs[-1]
+            if last.status != "ok" or last.code != 0 or (wants is not None and not _same_output(last.out, wants[i])):
+                return b""
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([pr], [], [], left)[0]:
+            raise subprocess.TimeoutExpired("sandbox", deadline)
+        chunk = os.read(pr, 4096)
+        if not chunk:
+            return b""
+        buf += chunk
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -228,22 +358,27 @@ def check(response: str, answer: str, cfg: SandboxConfig) -> SandboxResult:
     except ValueError as e:
         return SandboxResult(0.0, "bad_tests", time.perf_counter() - t0, str(e))
     program = extract_program(response)
-    runs = [(program + "\n\n" + tests.asserts + "\n", "", None)] if tests.asserts is not None else \
-        [(program, stdin, want) for stdin, want in tests.cases]
-    for i, (source, stdin, want) in enumerate(runs):
-        status, code, out, err = run_once(source, stdin, cfg, stdio=want is not None)
-        if status != "ok":
+    if tests.asserts is not None:
+        runs, wants = run_program(program + "\n\n" + tests.asserts + "\n", None, cfg), [None]
+    else:
+        wants = [w for _, w in tests.cases]
+        runs = run_program(program, [stdin for stdin, _ in tests.cases], cfg, wants)
+    for i, (run, want) in enumerate(zip(runs, wants)):
+        if run.status != "ok":
             detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
-                      "early_exit": "exited before the tests ran to the end"}[status]
-            return SandboxResult(0.0, "timeout" if status == "timeout" else "error", time.perf_counter() - t0,
+                      "early_exit": "exited before the tests ran to the end",
+                      "error": f"the sandbox failed: {run.err.strip()[-300:]}"}[run.status]
+            return SandboxResult(0.0, "timeout" if run.status == "timeout" else "error", time.perf_counter() - t0,
                                  f"run {i}: {detail}")
-        if code != 0:
-            failed = "AssertionError" in err  # a test that does not hold, not a program that breaks
+        if run.code != 0:
+            failed = "AssertionError" in run.err  # a test that does not hold, not a program that breaks
             return SandboxResult(0.0, "failed" if failed else "error", time.perf_counter() - t0,
-                                 f"run {i}: exit {code}: {err.strip()[-300:]}")
-        if want is not None and not _same_output(out, want):
+                                 f"run {i}: exit {run.code}: {run.err.strip()[-300:]}")
+        if want is not None and not _same_output(run.out, want):
             return SandboxResult(0.0, "failed", time.perf_counter() - t0,
-                                 f"case {i}: expected {want[:80]!r}, got {out[:80]!r}")
+                                 f"case {i}: expected {want[:80]!r}, got {run.out[:80]!r}")
+    if len(runs) < len(wants):  # cannot happen: the launcher stops early only at a failing case
+        return SandboxResult(0.0, "error", time.perf_counter() - t0, f"{len(runs)} of {len(wants)} cases ran")
     return SandboxResult(1.0, "passed", time.perf_counter() - t0)
 
 

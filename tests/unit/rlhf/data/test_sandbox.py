@@ -95,18 +95,17 @@ def test_children_the_program_started_are_killed_with_it():
     assert not _alive("61.2345") and not _alive("61.2346")
 
 
-def test_a_batch_keeps_order_runs_in_parallel_and_leaves_no_directory():
+def test_a_batch_keeps_order_runs_in_parallel_and_leaves_no_directory(tmp_path, monkeypatch):
     import tempfile
 
-    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rlhf-sandbox-")}
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the runs' directories go
     responses = [ADD, "def add(a, b):\n    return 0\n", "import time\ntime.sleep(0.6)\n" + ADD, ADD]
     t0 = time.perf_counter()
     results = check_batch(responses, [ADD_TESTS, ADD_TESTS, ADD_TESTS, "not python ("], FAST)
     assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0]
     assert results[3].status == "bad_tests"
     assert time.perf_counter() - t0 < 10
-    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rlhf-sandbox-")}
-    assert after == before
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="one answer per response"):
         check_batch(["x"], [], FAST)
 
@@ -123,3 +122,34 @@ def test_installed_packages_are_importable_only_when_asked():
     r = check(prog, tests, FAST)
     assert r.status == "error" and "ModuleNotFoundError" in r.detail
     assert check(prog, tests, SandboxConfig(timeout_s=5.0, site_packages=True)).score == 1.0
+
+
+def test_stdin_stdout_cases_each_get_a_deadline_and_the_first_failure_stops_the_sample():
+    cfg = SandboxConfig(timeout_s=1.0, memory_mb=512, processes=1)
+    prog = ("import sys\nx = input()\n"
+            "if x == 'loop':\n    while True: pass\n"
+            "if x == 'die':\n    sys.exit('bad input')\n"
+            "print(x)\n")
+    cases = lambda *xs: json.dumps({"inputs": list(xs), "outputs": list(xs)})  # noqa: E731
+    assert check(prog, cases(*[str(i) for i in range(40)]), cfg).score == 1.0
+    t0 = time.perf_counter()
+    r = check(prog, cases("a", "loop", "b"), cfg)
+    assert (r.status, r.detail) == ("timeout", "run 1: over 1.0 s") and time.perf_counter() - t0 < 4
+    r = check(prog, cases("a", "die", "loop"), cfg)  # stops at case 1: case 2 never runs into its deadline
+    assert r.status == "error" and r.detail.startswith("run 1: exit 1") and "bad input" in r.detail
+
+
+def test_a_program_that_kills_its_launcher_scores_zero():
+    prog = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(input())\n"
+    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), FAST)
+    assert (r.score, r.status) == (0.0, "error")
+
+
+def test_the_first_wrong_output_stops_the_cases_that_follow(tmp_path):
+    # each case sleeps, then notes that it ran (outside the sandbox's directory) and prints a wrong answer
+    log = tmp_path / "ran"
+    prog = f"import time\ntime.sleep(0.5)\nopen({str(log)!r}, 'a').write(input() + chr(10))\nprint('wrong')\n"
+    r = check(prog, json.dumps({"inputs": [str(i) for i in range(20)], "outputs": ["right"] * 20}), FAST)
+    assert r.status == "failed" and r.detail.startswith("case 0")
+    time.sleep(0.7)  # a later case, had it been left running, would have written by now
+    assert log.read_text() == "0\n"
