@@ -42,7 +42,10 @@ def prepare(cfg) -> None:
     if (model_dir / "config.json").is_file():
         return
     if cfg.model.name in ("qwen3_moe_tiny", "pangu_moe_tiny"):
-        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir), "--model", cfg.model.name],
+        from rlhf.schema import RewardKind
+
+        task = ["--task", "code"] if cfg.reward.kind is RewardKind.code else []  # configs/tiny_cpu_code.yaml
+        subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir), "--model", cfg.model.name, *task],
                        check=True)
     else:
         from benchmarks.e2e_bench import build_policy

@@ -41,7 +41,7 @@ def _make_tiny(args) -> int:
     cfg = load_model_config(path)
     spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr,
                     max_sft_steps=sft_max_steps(cfg),
-                    init_std=sft_init_std(cfg) if args.init_std is None else args.init_std)
+                    init_std=sft_init_std(cfg) if args.init_std is None else args.init_std, task=args.task)
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: v for k, v in summary.items() if k != "spec"}))
     return 0
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="AdamW learning rate of the warm start (default: 3e-3 for Qwen3-MoE, 1e-3 for pangu_moe)")
     p.add_argument("--init-std", type=float, default=None,
                    help="standard deviation of the random start (default: 0.02, 0.1 for MLA attention as pangu_moe has)")
+    p.add_argument("--task", choices=("add", "code"), default="add",
+                   help="add: answer with the sum; code: with a program printing it, scored by reward.kind=code "
+                        "(docs/code_reward.md)")
     p.set_defaults(func=_make_tiny)
 
     for name, func, text in (("check", _check, "validate a run config and print it resolved"),

@@ -10,6 +10,11 @@ and vLLM open, plus the task's prompt files beside the weights:
 SFT stops as soon as greedy held-out accuracy reaches `target_accuracy` (checked every
 `eval_every` steps), so the policy lands with room for RL to improve and enough reward signal for
 GRPO. Everything is deterministic for a seed on a given machine.
+
+`task="code"` (`rlhf make-tiny DIR --task code`): the same sums answered as a program, `347+58=` ->
+`print(405)`; each row's answer is its stdin/stdout test (`{"inputs": [""], "outputs": ["405"]}`) and
+held-out accuracy runs the programs in the code verifier's sandbox (`reward.kind: code`,
+docs/code_reward.md). The tokenizer's alphabet gains the characters of `print()`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from rlhf.schema import Architecture, Attention, ModelConfig
 from rlhf.data.arithmetic import Problem, is_correct, make_problems, write_jsonl
-from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
+from rlhf.data.tokenizer import ALPHABET, build_tokenizer, save_tokenizer
 from rlhf.model.generate import greedy_generate
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -46,6 +51,21 @@ class TinySpec:
     batch_size: int = 64
     lr: float = 3e-3
     init_std: float = 0.02
+    task: str = "add"  # add: the sum's digits; code: a program printing it, scored in the sandbox
+
+
+TASKS = ("add", "code")
+CODE_ALPHABET = ALPHABET + "print()"
+
+
+def as_code(problems: Sequence[Problem]) -> list[Problem]:
+    """The problems with their answers as stdin/stdout tests of a program (`print(405)` passes `405`'s)."""
+    return [Problem(p.prompt, json.dumps({"inputs": [""], "outputs": [p.answer]})) for p in problems]
+
+
+def sft_target(p: Problem, task: str) -> str:
+    """What the warm start teaches the policy to write for a problem (the add task's answer)."""
+    return f"print({p.answer})" if task == "code" else p.answer
 
 
 def sft_lr(model_cfg: ModelConfig) -> float:
@@ -72,18 +92,24 @@ def sft_max_steps(model_cfg: ModelConfig) -> int:
     return 4_000 if model_cfg.architecture is Architecture.pangu_moe else TinySpec.max_sft_steps
 
 
-def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], max_new_tokens: int) -> float:
+def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], max_new_tokens: int,
+                     task: str = "add") -> float:
     prompts = [tok.encode(p.prompt).ids for p in problems]
-    outs = greedy_generate(model, prompts, max_new_tokens)
-    return sum(is_correct(tok.decode(o), p.answer) for o, p in zip(outs, problems)) / len(problems)
+    texts = [tok.decode(o) for o in greedy_generate(model, prompts, max_new_tokens)]
+    if task == "code":  # the programs run as the run's reward workers run them
+        from rlhf.data.verifiers import score_batch
+        from rlhf.schema import RewardKind
+
+        return sum(score_batch(RewardKind.code, texts, [p.answer for p in as_code(problems)])) / len(problems)
+    return sum(is_correct(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 
-def _sft_batch(tok, problems: Sequence[Problem], eos: int, pad: int):
+def _sft_batch(tok, problems: Sequence[Problem], eos: int, pad: int, task: str = "add"):
     """Token ids [B, T], attention mask, and a loss mask that covers the answer and its EOS."""
     seqs, n_prompt = [], []
     for p in problems:
         prompt_ids = tok.encode(p.prompt).ids
-        answer_ids = tok.encode(p.answer, add_special_tokens=False).ids + [eos]
+        answer_ids = tok.encode(sft_target(p, task), add_special_tokens=False).ids + [eos]
         seqs.append(prompt_ids + answer_ids)
         n_prompt.append(len(prompt_ids))
     T = max(map(len, seqs))
@@ -98,10 +124,12 @@ def _sft_batch(tok, problems: Sequence[Problem], eos: int, pad: int):
 
 
 def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = TinySpec(), log=print) -> dict:
+    if spec.task not in TASKS:
+        raise ValueError(f"task {spec.task!r}: use one of {', '.join(TASKS)}")
     t0 = time.time()
     out = Path(out_dir)
     torch.manual_seed(spec.seed)
-    tok = build_tokenizer(model_cfg.vocab_size)
+    tok = build_tokenizer(model_cfg.vocab_size, CODE_ALPHABET if spec.task == "code" else ALPHABET)
     heldout = make_problems(spec.n_heldout, seed=spec.seed * 3 + 1, max_digits=spec.max_digits)
     train = make_problems(spec.n_train, seed=spec.seed * 3 + 2, max_digits=spec.max_digits,
                           exclude={p.prompt for p in heldout})
@@ -113,14 +141,14 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     rng = random.Random(spec.seed)
-    max_new = spec.max_digits + 2
-    acc, step = heldout_accuracy(model, tok, heldout, max_new), 0
+    max_new = spec.max_digits + 2 + (len("print()") if spec.task == "code" else 0)
+    acc, step = heldout_accuracy(model, tok, heldout, max_new, spec.task), 0
     log(f"make-tiny: {n_params:,} parameters; step 0 held-out accuracy {acc:.3f}")
     while acc < spec.target_accuracy and step < spec.max_sft_steps:
         model.train()
         for _ in range(spec.eval_every):
             ids, attn, loss_mask = _sft_batch(tok, rng.sample(sft, spec.batch_size),
-                                              model_cfg.eos_token_id, model_cfg.pad_token_id)
+                                              model_cfg.eos_token_id, model_cfg.pad_token_id, spec.task)
             logits = model(ids[:, :-1], attn[:, :-1])
             loss = F.cross_entropy(logits[loss_mask[:, 1:]], ids[:, 1:][loss_mask[:, 1:]])
             opt.zero_grad(set_to_none=True)
@@ -128,7 +156,7 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
             opt.step()
             step += 1
         model.eval()
-        acc = heldout_accuracy(model, tok, heldout, max_new)
+        acc = heldout_accuracy(model, tok, heldout, max_new, spec.task)
         log(f"make-tiny: step {step} loss {loss.item():.3f} held-out accuracy {acc:.3f}")
     if acc < spec.min_accuracy:
         raise RuntimeError(f"make-tiny: held-out accuracy {acc:.3f} after {step} SFT steps is below "
@@ -136,8 +164,9 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
 
     save_tokenizer(tok, out, model_max_length=model_cfg.max_position_embeddings)
     save_pretrained(model, out)
-    write_jsonl(train, out / "train.jsonl")
-    write_jsonl(heldout, out / "heldout.jsonl")
+    written = as_code if spec.task == "code" else list
+    write_jsonl(written(train), out / "train.jsonl")
+    write_jsonl(written(heldout), out / "heldout.jsonl")
     summary = {
         "dir": str(out),
         "params": n_params,

@@ -38,3 +38,29 @@ def test_the_warm_start_of_latent_attention_starts_from_a_wider_init():
     # MLA has no per-head q / k norm: at std 0.02 its first attention scores are near zero (docs/tiny_world.md)
     assert sft_init_std(load_model_config(CONFIGS / "model" / "pangu_moe_tiny.yaml")) == 0.1
     assert sft_init_std(load_model_config(CONFIGS / "model" / "qwen3_moe_tiny.yaml")) == TinySpec.init_std == 0.02
+
+
+def test_the_code_task_teaches_print_and_writes_tests_the_sandbox_runs(tmp_path):
+    import json
+
+    from rlhf.data.sandbox import check, parse_tests
+    from rlhf.data.tokenizer import load_tokenizer
+    from rlhf.schema import SandboxConfig
+    from rlhf.tiny import sft_target
+
+    s = make_tiny(tmp_path / "code", CFG, dataclasses.replace(QUICK, task="code"), log=lambda m: None)
+    rows = [json.loads(line) for line in (tmp_path / "code" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == QUICK.n_train and 0.0 <= s["heldout_accuracy"] <= 1.0
+    prompt, tests = rows[0]["prompt"], rows[0]["answer"]
+    a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+    assert parse_tests(tests).cases == (("", str(a + b)),)
+    # what the warm start teaches passes the row's test in the sandbox; the sum's bare digits do not
+    from rlhf.data.arithmetic import Problem
+    target = sft_target(Problem(prompt, str(a + b)), "code")
+    assert target == f"print({a + b})"
+    assert check(target, tests, SandboxConfig(timeout_s=5.0)).score == 1.0
+    assert check(str(a + b), tests, SandboxConfig(timeout_s=5.0)).score == 0.0
+    tok = load_tokenizer(tmp_path / "code")
+    assert tok.decode(tok.encode(target, add_special_tokens=False).ids) == target  # every character has a token
+    with pytest.raises(ValueError, match="task 'sql'"):
+        make_tiny(tmp_path / "x", CFG, dataclasses.replace(QUICK, task="sql"), log=lambda m: None)
