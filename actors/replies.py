@@ -5,7 +5,7 @@ only; every reply carries when its work started and how long it took (`start`, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # annotations only: a reward worker, which needs ScoreReply, never loads torch for it
@@ -101,3 +101,4 @@ class ScoreReply:
     scores: list[float]
     start: float
     seconds: float
+    verdicts: dict = field(default_factory=dict)  # the code verifier: samples per status (passed, failed, ...)

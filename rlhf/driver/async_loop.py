@@ -227,7 +227,8 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
     counted once, at the step that trains on that group."""
     G = len(ro.completions) // len(ro.rows)
     stats = {"drawn": ro.groups_drawn, "generate_seconds": ro.generate_seconds,
-             "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens, "stopped": ro.groups_stopped}
+             "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens, "stopped": ro.groups_stopped,
+             "verdicts": ro.verdicts}
     out = []
     for i, row in enumerate(ro.rows):
         comps = ro.completions[i * G:(i + 1) * G]
@@ -289,6 +290,7 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
     """A step's rollouts from the groups it took."""
     rows, prompt_ids, comps = [], [], []
     drawn = gen_s = rew_s = tokens = stopped = 0
+    verdicts: dict[str, int] = {}
     for p, g in enumerate(groups):
         d = g.payload
         rows.append(PromptRow(*d["row"]))
@@ -301,10 +303,12 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
             rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
             stopped += s.get("stopped", 0)  # none in checkpoints written before streamed rollouts
+            for k, v in s.get("verdicts", {}).items():
+                verdicts[k] = verdicts.get(k, 0) + v
     ref = [g.payload.get("ref_logp") for g in groups]  # none in checkpoints written before it
     return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
                    torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped,
-                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None)
+                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, verdicts)
 
 
 def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class Rollout:
     # StaleSync: each completion's reference logprobs at its response tokens, computed as soon as its batch was
     # made (`TokenBatch.response_rows`); None: the step computes them
     ref_logp: list | None = None
+    verdicts: dict = field(default_factory=dict)  # the code verifier: samples scored per status, all draws
 
 
 def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, turn=nullcontext) -> Rollout:
@@ -50,6 +51,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     stream = cfg.rollout.stream_groups and route_stages is None
     kept: list[tuple] = []  # (row, prompt ids, completions, rewards, scores) per group
     drawn, gen_s, rew_s, tokens, stopped = 0, 0.0, 0.0, 0, 0
+    verdicts: dict[str, int] = {}
     for draw in range(cfg.algorithm.max_draws if cfg.algorithm.dynamic_sampling else 1):
         rows = sampler.next(math.ceil((P - len(kept)) * over) if cfg.algorithm.dynamic_sampling else P)
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
@@ -70,6 +72,8 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
         stopped += len(rows) - d.arrived
         drawn += len(rows)
         kept += d.kept
+        for k, v in d.verdicts.items():
+            verdicts[k] = verdicts.get(k, 0) + v
         if len(kept) >= P:
             break
     if len(kept) < P and cfg.algorithm.fail_short_batch:
@@ -82,7 +86,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     kept = kept[:P]
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [c for k in kept for c in k[2]],
                    torch.stack([k[3] for k in kept]), torch.stack([k[4] for k in kept]), drawn, gen_s, rew_s, tokens,
-                   stopped)
+                   stopped, verdicts=verdicts)
 
 
 class Draw:
@@ -95,6 +99,7 @@ class Draw:
         self.kept: list[tuple] = []
         self.resolved = 0  # groups 0 .. resolved - 1 are decided
         self.arrived = self.tokens = 0  # groups back from the engines, and their tokens
+        self.verdicts: dict[str, int] = {}  # the code verifier's statuses of every sample scored
 
     @property
     def full(self) -> bool:
@@ -109,7 +114,11 @@ class Draw:
         decide every group now decidable in prompt order."""
         if sent is None:
             sent = self.submit(roles, tok, groups)
-        scores = [x for reply in roles.wait_score(sent) for x in reply.scores]
+        replies = roles.wait_score(sent)
+        scores = [x for reply in replies for x in reply.scores]
+        for reply in replies:
+            for k, v in reply.verdicts.items():
+                self.verdicts[k] = self.verdicts.get(k, 0) + v
         cfg, G = self.cfg, self.cfg.algorithm.group_size
         for g, (i, comps) in enumerate(groups):
             scores_G = torch.tensor(scores[g * G:(g + 1) * G])

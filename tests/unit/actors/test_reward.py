@@ -91,5 +91,7 @@ def test_the_code_worker_runs_each_program_against_its_tests():
     out = w.score(["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return 2 * x\n", "while True: pass"],
                   [tests, tests, tests], prompts=["p"] * 3)
     assert out.scores == [1.0, 0.0, 0.0]
+    assert out.verdicts == {"passed": 1, "failed": 1, "timeout": 1}
+    assert RuleRewardWorker(RewardKind.exact_match).score(["1"], ["1"]).verdicts == {}
     with pytest.raises(ValueError, match="one answer per response"):
         w.score(["a"], [])

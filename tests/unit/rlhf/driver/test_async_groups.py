@@ -40,6 +40,12 @@ def test_a_batch_split_over_two_steps_counts_its_statistics_once():
     first, second = to_rollout(groups[:2]), to_rollout(groups[2:])
     assert first.generated_tokens + second.generated_tokens == 12
     assert first.groups_drawn + second.groups_drawn == 5
+    assert first.verdicts == second.verdicts == {}
+    import dataclasses
+
+    coded = to_groups(dataclasses.replace(_rollout(), verdicts={"passed": 2, "error": 4}), batch=1, first_seq=0)
+    coded = [QueuedGroup.from_json(json.loads(json.dumps(g.to_json()))) for g in coded]  # as a checkpoint keeps them
+    assert to_rollout(coded[:1]).verdicts == {"passed": 2, "error": 4} and to_rollout(coded[1:]).verdicts == {}
 
 
 def test_route_references_round_trip_through_a_checkpoint(tmp_path):

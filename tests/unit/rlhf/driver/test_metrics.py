@@ -91,6 +91,12 @@ def test_step_metrics_from_replies():
     assert m["throughput/generate_tokens_per_s"] == 2.5
     assert m["offload/bytes"] == 11 and m["onload/bytes"] == 0
     assert m["actor/clip_fraction"] == pytest.approx(0.2) and m["expert_load/max_over_mean"] == 1.0
+    assert not [k for k in m if k.startswith("reward/code_")]  # a rule that reports no statuses
+    import dataclasses
+
+    coded = dataclasses.replace(ro, verdicts={"passed": 3, "failed": 4, "timeout": 1})
+    m = step_metrics(coded, batch, torch.ones(2, 4), parity, updates, sync, plan, Topology.single_node(3), 4.0, {})
+    assert (m["reward/code_passed"], m["reward/code_failed"], m["reward/code_timeout"]) == (3 / 8, 4 / 8, 1 / 8)
 
 
 def test_progress_line_shows_the_last_evaluated_accuracy_and_its_step_never_nan():

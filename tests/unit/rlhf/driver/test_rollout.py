@@ -210,3 +210,34 @@ def test_rlhf_train_reports_a_short_batch_as_one_line(monkeypatch, capsys):
     assert main(["train", str(config), "algorithm.fail_short_batch=true"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("rlhf train: step 1: dynamic sampling kept") and "Traceback" not in err
+
+
+class CodeRoles(StandInRoles):
+    """The stand-in's answers written as programs (`print(N)`, a wrong one `print(N9)`), scored by the real code
+    verifier against each row's stdin/stdout test."""
+
+    def __init__(self, order_seed: int = 0):
+        from rlhf.schema import SandboxConfig
+
+        super().__init__(order_seed)
+        self.reward = RuleRewardWorker(RewardKind.code, SandboxConfig(timeout_s=5.0, processes=2))
+
+    def generate(self, prompts, n, seed, **kw):
+        out = super().generate(prompts, n, seed, **kw)
+        return [dataclasses.replace(c, token_ids=tuple(CODE_TOK.encode(
+            f"print({TOK.decode(list(c.token_ids), skip_special_tokens=True)})").ids) + (2,)) for c in out]
+
+
+CODE_TOK = build_tokenizer(32, __import__("rlhf.tiny", fromlist=["CODE_ALPHABET"]).CODE_ALPHABET)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_code_verdicts_count_every_sample_scored_in_every_draw(stream):
+    import json
+
+    rows = [dataclasses.replace(r, answer=json.dumps({"inputs": [""], "outputs": [r.answer]})) for r in _rows()]
+    roles = CodeRoles()
+    ro = collect(_cfg(stream, dynamic_sampling=True), roles, PromptSampler(rows, 6, seed=0), CODE_TOK, step=1)
+    assert len(ro.rows) == 6 and (ro.rewards_PG.max(1).values > ro.rewards_PG.min(1).values).all()
+    scored = ro.groups_drawn - roles.never_came  # a streamed draw stops the groups it no longer needs
+    assert sum(ro.verdicts.values()) == scored * 4 and set(ro.verdicts) == {"passed", "failed"}
