@@ -13,7 +13,6 @@ import time
 from typing import Sequence
 
 from actors.replies import ScoreReply
-from rlhf.data import sandbox
 from rlhf.data.verifiers import RULES, score_batch
 from rlhf.schema import DeviceType, RewardKind, SandboxConfig
 
@@ -32,13 +31,8 @@ class RuleRewardWorker:
         t0 = time.time()
         if len(answers) != len(responses):
             raise ValueError(f"{len(responses)} responses and {len(answers)} answers: give one answer per response")
-        if self.kind is RewardKind.code:  # each sample's status too: why rewards are 0 shows in the metrics
-            results = sandbox.check_batch(responses, answers, self.sandbox)
-            verdicts: dict[str, int] = {}
-            for r in results:
-                verdicts[r.status] = verdicts.get(r.status, 0) + 1
-            return ScoreReply([r.score for r in results], t0, time.time() - t0, verdicts)
-        return ScoreReply(score_batch(self.kind, responses, answers, self.sandbox), t0, time.time() - t0)
+        scores, verdicts = score_batch(self.kind, responses, answers, self.sandbox)  # verdicts: kind code
+        return ScoreReply(scores, t0, time.time() - t0, dict(verdicts))
 
 
 class RewardModelWorker:

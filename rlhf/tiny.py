@@ -100,7 +100,8 @@ def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem
         from rlhf.data.verifiers import score_batch
         from rlhf.schema import RewardKind
 
-        return sum(score_batch(RewardKind.code, texts, [p.answer for p in as_code(problems)])) / len(problems)
+        scores, _ = score_batch(RewardKind.code, texts, [p.answer for p in as_code(problems)])
+        return sum(scores) / len(problems)
     return sum(is_correct(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 

@@ -315,7 +315,7 @@ def reward_problems(w: RewardConfig) -> list[Problem]:
         ("timeout_s", b.timeout_s, "seconds a program may run"), ("memory_mb", b.memory_mb, "its address space"),
         ("max_output_kb", b.max_output_kb, "its output"), ("processes", b.processes, "programs run at once"))
         if not v > 0]
-    if b.memory_mb < 64 and b.memory_mb > 0:
+    if 0 < b.memory_mb < 64:
         p.append(Problem("reward.sandbox.memory_mb", b.memory_mb, "is below what a Python interpreter needs to "
                          "start (about 30 MB of address space; 64 at least)"))
     if p:

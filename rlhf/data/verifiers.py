@@ -9,6 +9,7 @@ would stop the run. The reward workers (`actors.reward`) and held-out evaluation
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 from rlhf.data import sandbox
@@ -38,9 +39,11 @@ RULES = {RewardKind.exact_match: exact_match, RewardKind.math_verify: math_verif
 
 
 def score_batch(kind: RewardKind, responses: Sequence[str], answers: Sequence[str],
-                cfg: SandboxConfig = SandboxConfig()) -> list[float]:
-    """One score per response by the rule `kind`; code runs `cfg.processes` programs at a time."""
+                cfg: SandboxConfig = SandboxConfig()) -> tuple[list[float], Counter]:
+    """One score per response by the rule `kind`, and how many samples had each sandbox status (`code`, which
+    runs `cfg.processes` programs at a time; empty for the other rules)."""
     if kind is RewardKind.code:
-        return [r.score for r in sandbox.check_batch(responses, answers, cfg)]
+        results = sandbox.check_batch(responses, answers, cfg)
+        return [r.score for r in results], Counter(r.status for r in results)
     rule = RULES[kind]
-    return [rule(r, a) for r, a in zip(responses, answers, strict=True)]
+    return [rule(r, a) for r, a in zip(responses, answers, strict=True)], Counter()

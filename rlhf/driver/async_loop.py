@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -290,7 +291,7 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
     """A step's rollouts from the groups it took."""
     rows, prompt_ids, comps = [], [], []
     drawn = gen_s = rew_s = tokens = stopped = 0
-    verdicts: dict[str, int] = {}
+    verdicts: Counter = Counter()
     for p, g in enumerate(groups):
         d = g.payload
         rows.append(PromptRow(*d["row"]))
@@ -303,12 +304,11 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
             rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
             stopped += s.get("stopped", 0)  # none in checkpoints written before streamed rollouts
-            for k, v in s.get("verdicts", {}).items():
-                verdicts[k] = verdicts.get(k, 0) + v
+            verdicts.update(s.get("verdicts", {}))
     ref = [g.payload.get("ref_logp") for g in groups]  # none in checkpoints written before it
     return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
                    torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped,
-                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, verdicts)
+                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, dict(verdicts))
 
 
 def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:

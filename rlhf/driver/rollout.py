@@ -7,6 +7,7 @@ Legend: P prompts (groups), G samples per prompt.
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     stream = cfg.rollout.stream_groups and route_stages is None
     kept: list[tuple] = []  # (row, prompt ids, completions, rewards, scores) per group
     drawn, gen_s, rew_s, tokens, stopped = 0, 0.0, 0.0, 0, 0
-    verdicts: dict[str, int] = {}
+    verdicts: Counter = Counter()
     for draw in range(cfg.algorithm.max_draws if cfg.algorithm.dynamic_sampling else 1):
         rows = sampler.next(math.ceil((P - len(kept)) * over) if cfg.algorithm.dynamic_sampling else P)
         prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
@@ -72,8 +73,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
         stopped += len(rows) - d.arrived
         drawn += len(rows)
         kept += d.kept
-        for k, v in d.verdicts.items():
-            verdicts[k] = verdicts.get(k, 0) + v
+        verdicts.update(d.verdicts)
         if len(kept) >= P:
             break
     if len(kept) < P and cfg.algorithm.fail_short_batch:
@@ -86,7 +86,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     kept = kept[:P]
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [c for k in kept for c in k[2]],
                    torch.stack([k[3] for k in kept]), torch.stack([k[4] for k in kept]), drawn, gen_s, rew_s, tokens,
-                   stopped, verdicts=verdicts)
+                   stopped, verdicts=dict(verdicts))
 
 
 class Draw:
@@ -99,7 +99,7 @@ class Draw:
         self.kept: list[tuple] = []
         self.resolved = 0  # groups 0 .. resolved - 1 are decided
         self.arrived = self.tokens = 0  # groups back from the engines, and their tokens
-        self.verdicts: dict[str, int] = {}  # the code verifier's statuses of every sample scored
+        self.verdicts: Counter = Counter()  # the code verifier's statuses of every sample scored
 
     @property
     def full(self) -> bool:
@@ -117,8 +117,7 @@ class Draw:
         replies = roles.wait_score(sent)
         scores = [x for reply in replies for x in reply.scores]
         for reply in replies:
-            for k, v in reply.verdicts.items():
-                self.verdicts[k] = self.verdicts.get(k, 0) + v
+            self.verdicts.update(reply.verdicts)
         cfg, G = self.cfg, self.cfg.algorithm.group_size
         for g, (i, comps) in enumerate(groups):
             scores_G = torch.tensor(scores[g * G:(g + 1) * G])
@@ -169,4 +168,5 @@ def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0, phase="evaluate")
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
-    return sum(score_batch(kind, texts, [rows[c.prompt_index].answer for c in comps], cfg.reward.sandbox)) / len(comps)
+    scores, _ = score_batch(kind, texts, [rows[c.prompt_index].answer for c in comps], cfg.reward.sandbox)
+    return sum(scores) / len(comps)
