@@ -68,6 +68,15 @@ def sft_target(p: Problem, task: str) -> str:
     return f"print({p.answer})" if task == "code" else p.answer
 
 
+def make_tiny_args(cfg) -> str:
+    """What `rlhf make-tiny` needs, besides the directory, to write the tiny policy a run (a RunConfig) trains:
+    the model by name when it is not the default one, and the code task's rows for `reward.kind: code`."""
+    from rlhf.schema import RewardKind
+
+    args = [f"--model {cfg.model.name}"] if cfg.model.name == "pangu_moe_tiny" else []
+    return " ".join(args + (["--task code"] if cfg.reward.kind is RewardKind.code else []))
+
+
 def sft_lr(model_cfg: ModelConfig) -> float:
     """The warm start's learning rate by architecture: the tiny DeepSeek-V3 / Pangu model made no progress
     at Qwen3-MoE's 3e-3 (loss 1.7, accuracy 0 after 950 steps; loss 1.25 after 2,900 with warmup and gradient

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from rlhf.data import sandbox
 from rlhf.data.arithmetic import is_correct
-from rlhf.schema import RewardKind, SandboxConfig
+from rlhf.schema import RewardConfig, RewardKind, SandboxConfig
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -47,3 +47,11 @@ def score_batch(kind: RewardKind, responses: Sequence[str], answers: Sequence[st
         return [r.score for r in results], Counter(r.status for r in results)
     rule = RULES[kind]
     return [rule(r, a) for r, a in zip(responses, answers, strict=True)], Counter()
+
+
+def accuracy_scores(reward: RewardConfig, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Scores by the run's rule verifier, for accuracy (held-out evaluation, `rlhf eval`): exact match when the
+    run's reward is a model, since accuracy needs the reference answers."""
+    kind = reward.kind if reward.kind in RULES else RewardKind.exact_match
+    return score_batch(kind, responses, answers, reward.sandbox)[0]
+

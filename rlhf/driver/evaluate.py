@@ -11,16 +11,17 @@ import random
 import time
 
 from actors.vllm_engine import VLLMEngine
-from rlhf.data.arithmetic import is_correct
 from rlhf.data.prompts import load_prompts
+from rlhf.data.verifiers import accuracy_scores
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.model.generate import greedy_generate
 from rlhf.model.hf_io import check_model_dir, load_pretrained
 from rlhf.schema import RunConfig
+from rlhf.tiny import make_tiny_args
 
 
 def evaluate(cfg: RunConfig, log=print) -> dict:
-    model_dir = check_model_dir(cfg.model)
+    model_dir = check_model_dir(cfg.model, make_tiny_args(cfg))
     tok = load_tokenizer(model_dir)
     eos = cfg.model.eos_token_id
     heldout = load_prompts(cfg.data.heldout_files, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.skip_bad_rows)
@@ -30,7 +31,8 @@ def evaluate(cfg: RunConfig, log=print) -> dict:
 
     model = load_pretrained(model_dir).eval()
     ours = greedy_generate(model, prompts, max_new)
-    acc_torch = sum(is_correct(tok.decode(o), r.answer) for o, r in zip(ours, heldout.rows)) / len(heldout)
+    answers = [r.answer for r in heldout.rows]
+    acc_torch = sum(accuracy_scores(cfg.reward, [tok.decode(o) for o in ours], answers)) / len(heldout)
     log(f"eval: torch greedy held-out accuracy {acc_torch:.3f} on {len(heldout)} prompts")
 
     t0 = time.time()
@@ -39,7 +41,7 @@ def evaluate(cfg: RunConfig, log=print) -> dict:
     start_s = time.time() - t0
     greedy = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_new)
     vllm_ids = [list(c.token_ids[:-1]) if c.token_ids[-1:] == (eos,) else list(c.token_ids) for c in greedy]
-    acc_vllm = sum(is_correct(tok.decode(v), r.answer) for v, r in zip(vllm_ids, heldout.rows)) / len(heldout)
+    acc_vllm = sum(accuracy_scores(cfg.reward, [tok.decode(v) for v in vllm_ids], answers)) / len(heldout)
     agree = sum(v == o for v, o in zip(vllm_ids, ours)) / len(ours)
     log(f"eval: vLLM greedy held-out accuracy {acc_vllm:.3f}; greedy agreement with torch {agree:.3f}")
 
@@ -47,8 +49,8 @@ def evaluate(cfg: RunConfig, log=print) -> dict:
     t0 = time.time()
     samples = engine.generate([tok.encode(r.prompt).ids for r in rows], n=cfg.algorithm.group_size, seed=cfg.seed)
     gen_s = time.time() - t0
-    rewards = [float(is_correct(tok.decode(s.token_ids, skip_special_tokens=True), rows[s.prompt_index].answer))
-               for s in samples]
+    rewards = accuracy_scores(cfg.reward, [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples],
+                              [rows[s.prompt_index].answer for s in samples])
     engine.close()
     n_tokens = sum(len(s.token_ids) for s in samples)
     log(f"eval: rollout {len(rows)} prompts x {cfg.algorithm.group_size}: mean reward "

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.algorithms.advantages import nonzero_variance_groups, overlong_penalty
-from rlhf.data.verifiers import RULES, score_batch
+from rlhf.data.verifiers import accuracy_scores
 from rlhf.errors import ShortBatch
-from rlhf.schema import RewardKind, RunConfig
+from rlhf.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,7 @@ class Draw:
 def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     """Greedy accuracy of the engines' current weights on the held-out prompts, by the run's rule
     verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
-    kind = cfg.reward.kind if cfg.reward.kind in RULES else RewardKind.exact_match
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0, phase="evaluate")
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
-    scores, _ = score_batch(kind, texts, [rows[c.prompt_index].answer for c in comps], cfg.reward.sandbox)
-    return sum(scores) / len(comps)
+    return sum(accuracy_scores(cfg.reward, texts, [rows[c.prompt_index].answer for c in comps])) / len(comps)

@@ -40,6 +40,7 @@ from rlhf.placement.transfer import SyncLayout, sync_layout
 from rlhf.config.chaos import engine_kills, trainer_kills
 from rlhf.schema import DeviceType, RewardKind, RunConfig
 from rlhf.sim.workload import attention_quadratic
+from rlhf.tiny import make_tiny_args
 from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
@@ -63,7 +64,7 @@ class RunInputs:
 
     @staticmethod
     def prepare(cfg: RunConfig, log: Log) -> "RunInputs":
-        model_dir = str(check_model_dir(cfg.model))
+        model_dir = str(check_model_dir(cfg.model, make_tiny_args(cfg)))
         dm = device_map(cfg)
         d = cfg.data
         tokenizer = load_tokenizer(model_dir)

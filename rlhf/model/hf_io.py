@@ -271,18 +271,20 @@ def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor
 _NOT_SHAPE = {"name", "path"}
 
 
-def check_model_dir(model: ModelConfig) -> Path:
+def check_model_dir(model: ModelConfig, make_tiny_args: str = "") -> Path:
     """The configured policy directory (`model.path`) exists and holds the configured shape: a readable
     config.json of that shape, safetensors files (headers only) that are whole and hold exactly the tensors
     that shape has, and a tokenizer whose vocabulary fits the model's. Each problem is one
-    ConfigError naming the file and what to change."""
+    ConfigError naming the file and what to change (`make_tiny_args`: what the suggested `rlhf make-tiny`
+    needs besides the directory, e.g. `--task code`)."""
     if model.path is None:
         raise ConfigError("model.path = None: set it to an HF model directory, e.g. the output of `rlhf make-tiny`")
     path = Path(model.path)
     where = f"model.path = {str(path)!r}"
     if not (path / "config.json").is_file():
         raise ConfigError(f"{where}: no HF model directory there; "
-                          f"create it with `rlhf make-tiny {path}` or point model.path at one")
+                          f"create it with `rlhf make-tiny {path}{' ' + make_tiny_args if make_tiny_args else ''}` "
+                          f"or point model.path at one")
     try:
         on_disk = load_config(path)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # bad JSON, missing or mistyped keys

@@ -95,3 +95,12 @@ def test_the_code_worker_runs_each_program_against_its_tests():
     assert RuleRewardWorker(RewardKind.exact_match).score(["1"], ["1"]).verdicts == {}
     with pytest.raises(ValueError, match="one answer per response"):
         w.score(["a"], [])
+
+
+def test_accuracy_is_scored_by_the_runs_rule_or_by_exact_match_under_a_reward_model():
+    from rlhf.data.verifiers import accuracy_scores
+    from rlhf.schema import RewardConfig
+
+    tests = '{"inputs": [""], "outputs": ["12"]}'
+    assert accuracy_scores(RewardConfig(kind=RewardKind.code), ["print(12)", "12"], [tests, tests]) == [1.0, 0.0]
+    assert accuracy_scores(RewardConfig(kind=RewardKind.model, model_path="/rm"), ["12", "13"], ["12", "12"]) == [1.0, 0.0]

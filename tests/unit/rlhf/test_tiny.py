@@ -64,3 +64,13 @@ def test_the_code_task_teaches_print_and_writes_tests_the_sandbox_runs(tmp_path)
     assert tok.decode(tok.encode(target, add_special_tokens=False).ids) == target  # every character has a token
     with pytest.raises(ValueError, match="task 'sql'"):
         make_tiny(tmp_path / "x", CFG, dataclasses.replace(QUICK, task="sql"), log=lambda m: None)
+
+
+def test_a_missing_policy_is_named_with_the_make_tiny_command_its_run_needs(tmp_path):
+    from rlhf.tiny import make_tiny_args
+
+    for config, args in (("tiny_cpu.yaml", "`"), ("tiny_cpu_code.yaml", " --task code`"),
+                         ("tiny_cpu_pangu.yaml", " --model pangu_moe_tiny`")):
+        cfg = load_run_config(CONFIGS / config, [f"model.path={tmp_path / 'none'}"])
+        with pytest.raises(ConfigError, match=f"rlhf make-tiny {tmp_path / 'none'}{args}"):
+            check_model_dir(cfg.model, make_tiny_args(cfg))
