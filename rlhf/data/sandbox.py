@@ -26,6 +26,7 @@ reach the network; run untrusted code at scale in reward workers inside containe
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -58,6 +59,7 @@ class Tests:
     cases: tuple[tuple[str, str], ...] = ()  # (stdin, expected stdout)
 
 
+@functools.lru_cache(maxsize=4096)  # a group's samples share their answer; each is scored every step it is drawn
 def parse_tests(answer: str) -> Tests:
     """A task's tests from its reference answer; ValueError saying what is wrong when neither form parses."""
     text = answer.strip()
