@@ -375,8 +375,8 @@ class SandboxConfig:
     memory_mb: int = 1024  # address space of the program's process
     max_output_kb: int = 1024  # stdout, stderr and any file it writes
     processes: int = 2  # programs run at once by each reward worker
-    # false: the standard library only (`python -I -S`, starts in ~8 ms); true: also the packages installed
-    # beside the reward worker (numpy, ...), ~25 ms a start here
+    # false: the standard library only (`python -I -S`, the faster start); true: also the packages installed
+    # beside the reward worker (numpy, ...), a slower start (the site's imports)
     site_packages: bool = False
 
 

@@ -99,7 +99,7 @@ class SandboxResult:
 
 # Sets the limits inside the child, then runs the program as __main__ (no preexec_fn: the reward worker has
 # threads, and a fork with threads must exec at once); compiled and exec'd in a fresh `__main__` module, not by
-# runpy, whose lazy imports (pkgutil, typing) cost 12-14 ms a run.
+# runpy, whose lazy imports (pkgutil, typing) cost more than a small program's whole run.
 # assert-style: the program and its tests run in the launcher; the run counts as finished only when the
 # launcher gets past them and writes a nonce the program never sees (read from a pipe, closed before the program
 # starts) to `done`: a program that exits early (`sys.exit(0)` before the asserts, `os._exit`) fails.
