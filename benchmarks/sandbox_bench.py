@@ -3,12 +3,16 @@
     python -m benchmarks.sandbox_bench                     # 64 samples, processes 1 and 2
     python -m benchmarks.sandbox_bench --samples 128 --processes 1 2 4
     python -m benchmarks.sandbox_bench --cases 20           # stdin/stdout samples of 20 cases (CodeContests-like)
+    python -m benchmarks.sandbox_bench --start fork         # only the default start (a fork of a warm interpreter)
 
 Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style
 (a function and three asserts, one run), half stdin/stdout (`--cases` cases, 3 by default, a run each); a
 quarter of the programs are wrong. Every configuration is timed `--rounds` times, interleaved; the median wall-clock
-seconds over the samples is the seconds per sample a reward worker with that many `processes` spends. Ends
-with one JSON line (`seconds_per_sample` per processes setting, and the runs per sample).
+seconds over the samples is the seconds per sample a reward worker with that many `processes` spends. Both ways
+to start a sample's process are timed side by side (`--start`): `fork` (a fork of a warm interpreter,
+`reward.sandbox.fork_server: true`, the default) and `fresh` (a new interpreter per sample). Ends with one JSON
+line (`seconds_per_sample` per start and processes setting, `fork_speedup` per processes setting, and the runs
+per sample).
 """
 
 from __future__ import annotations
@@ -54,31 +58,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--cases", type=int, default=3, help="stdin/stdout cases of each such sample")
+    parser.add_argument("--start", choices=["fork", "fresh"], nargs="+", default=["fork", "fresh"],
+                        help="how each sample's process starts: fork (reward.sandbox.fork_server: true) or fresh")
     args = parser.parse_args(argv)
     if args.samples < 4 or args.rounds < 1 or min(args.processes) < 1 or args.cases < 1:
         parser.error("--samples >= 4, --rounds >= 1, --cases >= 1 and every --processes >= 1")
 
     from rlhf.data.sandbox import check_batch
+    from rlhf.data.sandbox_exec import close_all
     from rlhf.schema import SandboxConfig
 
     responses, answers, runs = samples(args.samples, args.cases)
     expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
-    times: dict[int, list[float]] = {p: [] for p in args.processes}
-    for _ in range(args.rounds):
-        for p in args.processes:
-            t0 = time.perf_counter()
-            scores = [r.score for r in check_batch(responses, answers, SandboxConfig(timeout_s=args.timeout_s,
-                                                                                     processes=p))]
-            times[p].append(time.perf_counter() - t0)
-            if scores != expected:
-                raise SystemExit(f"processes {p}: scores {scores} differ from the expected {expected}")
-    per_sample = {str(p): round(statistics.median(t) / args.samples, 4) for p, t in times.items()}
-    for p, t in times.items():
-        print(f"processes {p}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
-              f"({per_sample[str(p)] * 1000:.1f} ms a sample)", flush=True)
+    setups = [(start, p) for start in args.start for p in args.processes]
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in setups}
+    try:
+        for _ in range(args.rounds):
+            for start, p in setups:
+                cfg = SandboxConfig(timeout_s=args.timeout_s, processes=p, fork_server=start == "fork")
+                t0 = time.perf_counter()
+                scores = [r.score for r in check_batch(responses, answers, cfg)]
+                times[start, p].append(time.perf_counter() - t0)
+                if scores != expected:
+                    raise SystemExit(f"{start}, processes {p}: scores {scores} differ from the expected {expected}")
+    finally:
+        close_all()  # the warm interpreters
+    per_sample = {f"{start}/{p}": round(statistics.median(t) / args.samples, 4) for (start, p), t in times.items()}
+    for (start, p), t in times.items():
+        print(f"{start}, processes {p}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
+              f"({per_sample[f'{start}/{p}'] * 1000:.1f} ms a sample)", flush=True)
+    speedup = {str(p): round(per_sample[f"fresh/{p}"] / per_sample[f"fork/{p}"], 2)
+               for p in args.processes if len(args.start) == 2}
     print(json.dumps({"samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
-                      "seconds_per_sample": per_sample,
-                      "seconds_all": {str(p): [round(s, 3) for s in t] for p, t in times.items()}}))
+                      "seconds_per_sample": per_sample, "fork_speedup": speedup,
+                      "seconds_all": {f"{start}/{p}": [round(s, 3) for s in t] for (start, p), t in times.items()}}))
     return 0
 
 

@@ -378,6 +378,9 @@ class SandboxConfig:
     # false: the standard library only (`python -I -S`, the faster start); true: also the packages installed
     # beside the reward worker (numpy, ...), a slower start (the site's imports)
     site_packages: bool = False
+    # true: each sample a fork of a warm interpreter (one per process slot, started once); false: a fresh
+    # interpreter per sample (its start, about 20 ms, on every sample)
+    fork_server: bool = True
 
 
 @dataclass(frozen=True)

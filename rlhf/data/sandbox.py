@@ -12,14 +12,15 @@ response when it has none. A response scores 1.0 when every test passes, else 0.
 verl's code rewards score); it never raises: a syntax error, an exception, a wrong output, a timeout or a
 memory blow-up all score 0 (`SandboxResult.status` says which).
 
-Each sample runs in a fresh `python -I -S` process (no site-packages, no user site, no PYTHON* variables;
-with `site_packages` the worker's installed packages are importable), stdin/stdout cases each in a fork of
-it, in its own temporary directory (cwd and HOME, removed afterwards) and its own session, under resource
-limits: address space (`memory_mb`), CPU seconds and a wall-clock `timeout_s` per run, file size, no core
-files; stdout and stderr capped at `max_output_kb`. At the end, passed or killed, its process group and every
-process left in its session are killed, so a program that started children leaves none behind. This is a
-process sandbox with limits, not a security boundary: the program can read what the worker's user can and
-reach the network; run untrusted code at scale in reward workers inside containers without network
+Each sample runs in a `python -I -S` process (no site-packages, no user site, no PYTHON* variables; with
+`site_packages` the worker's installed packages are importable): a fork of a warm one (`fork_server`, the
+default: rlhf/data/sandbox_exec.py) or a fresh one; stdin/stdout cases each in a fork of it; in its own
+temporary directory (cwd and HOME, removed afterwards) and its own session, under resource limits: address
+space (`memory_mb`), CPU seconds and a wall-clock `timeout_s` per run, file size, no core files; stdout and
+stderr capped at `max_output_kb`. At the end, passed or killed, its process group and every process left in
+its session are killed, so a program that started children leaves none behind. This is a process sandbox with
+limits, not a security boundary: the program can read what the worker's user can and reach the network; run
+untrusted code at scale in reward workers inside containers without network
 (docs/code_reward.md).
 """
 
@@ -32,9 +33,7 @@ import os
 import re
 import secrets
 import select
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from rlhf.data.sandbox_exec import Run
 from rlhf.schema import SandboxConfig
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -97,140 +97,6 @@ class SandboxResult:
     detail: str = ""  # the failing case, or the tail of stderr
 
 
-# Sets the limits inside the child, then runs the program as __main__ (no preexec_fn: the reward worker has
-# threads, and a fork with threads must exec at once); compiled and exec'd in a fresh `__main__` module, not by
-# runpy, whose lazy imports (pkgutil, typing) cost more than a small program's whole run.
-# assert-style: the program and its tests run in the launcher; the run counts as finished only when the
-# launcher gets past them and writes a nonce the program never sees (read from a pipe, closed before the program
-# starts) to `done`: a program that exits early (`sys.exit(0)` before the asserts, `os._exit`) fails.
-# stdin/stdout: one interpreter per sample and a fork per case (a case costs a fork, not a Python start): each
-# child closes both pipes at once, takes in_<i> / out_<i> / err_<i> as fds 0-2 and runs the program; the
-# launcher waits for it (killed past timeout_s), reports "<case> <exit code or ->" on the progress pipe, where
-# the worker compares that case's output (the expected outputs never enter the sandbox) and kills the run at
-# the first wrong one, and stops itself at the first case that fails or times out. It reads the nonce only
-# after the last case and ends the progress with it. `sys.exit(0)` is a normal end of a case.
-_LAUNCH = """\
-import os, resource, sys, types
-mem, cpu, size, fd, cases, progress = (int(v) for v in sys.argv[1:7])
-mode, timeout = sys.argv[7], float(sys.argv[8])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.argv = ["main.py"]
-def run(code):
-    main = types.ModuleType("__main__")
-    main.__file__ = "main.py"
-    sys.modules["__main__"] = main
-    exec(code, main.__dict__)
-with open("main.py", "rb") as f:
-    source = f.read()
-if mode == "asserts":
-    nonce = os.read(fd, 64)
-    os.close(fd)
-    run(compile(source, "main.py", "exec"))
-    sys.stdout.flush()
-    with open("done", "wb") as f:
-        f.write(nonce)
-    sys.exit(0)
-import select, signal, traceback
-try:
-    code = compile(source, "main.py", "exec")  # once: each case's fork runs it
-except BaseException:
-    with open("err_0", "w") as f:
-        traceback.print_exc(file=f)
-    os.write(progress, b"0 1\\nend " + os.read(fd, 64) + b"\\n")
-    sys.exit(0)
-for i in range(cases):
-    pid = os.fork()
-    if pid == 0:
-        status = 0
-        try:
-            os.close(fd)
-            os.close(progress)
-            for name, target, flags in ((f"in_{i}", 0, os.O_RDONLY), (f"out_{i}", 1, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                                        (f"err_{i}", 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
-                os.dup2(os.open(name, flags, 0o600), target)
-            run(code)
-        except SystemExit as e:
-            status = e.code if isinstance(e.code, int) else (e.code is not None)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            status = status or 1
-        os._exit(status)
-    try:
-        pfd = os.pidfd_open(pid)
-        done_in_time = bool(select.select([pfd], [], [], timeout)[0])
-        os.close(pfd)
-    except (AttributeError, OSError):
-        import time
-        end = time.monotonic() + timeout
-        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None and time.monotonic() < end:
-            time.sleep(0.001)
-        done_in_time = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    if not done_in_time:
-        os.kill(pid, signal.SIGKILL)
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if done_in_time else None
-    os.write(progress, f"{i} {'-' if status is None else status}\\n".encode())
-    if status != 0:
-        break
-os.write(progress, b"end " + os.read(fd, 64) + b"\\n")
-"""
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> None:
-    """`proc.wait(timeout)` woken by the exit itself (a pidfd), not by Popen's polling, which sleeps up to 50 ms
-    between looks: most programs here run for tens of milliseconds."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3
-        proc.wait(timeout=timeout)
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-    finally:
-        os.close(fd)
-    if not ready:
-        raise subprocess.TimeoutExpired(proc.args, timeout)
-    proc.wait()
-
-
-def _session_members(sid: int) -> list[int]:
-    """Processes in session `sid` (from /proc; none where /proc is missing)."""
-    pids = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[3]) == sid:
-                pids.append(int(entry))
-    return pids
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the run's process group and every process left in its session (a child that moved to a group of its
-    own too; one that called setsid() escapes: hence containers for untrusted code)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in _session_members(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 @dataclass(frozen=True)
 class CaseRun:
     status: str  # ok | timeout | output | early_exit | error (the launcher itself failed)
@@ -273,53 +139,51 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
         Path(path("main.py")).write_text(source, encoding="utf-8")
         for i, text in enumerate(inputs if stdio else [""]):
             Path(path(f"in_{i}")).write_text(text, encoding="utf-8")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": d, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         nonce = secrets.token_hex(16).encode()
         r, w = os.pipe()
         os.write(w, nonce)
         os.close(w)
         pr, pw = os.pipe()  # the launcher's progress (stdin/stdout)
-        args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), str(r), str(n), str(pw),
+        args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), "R", str(n), "P",
                 "stdio" if stdio else "asserts", str(cfg.timeout_s)]
         # assert-style: the launcher is the program (case 0's files); stdin/stdout: the launcher's own log
         names = ("launcher.log", "launcher.log") if stdio else ("out_0", "err_0")
         runs: list[CaseRun] = []
         end = b""
+        deadline = cfg.timeout_s * n + 1.0
         try:
             with open(path("in_0") if not stdio else os.devnull, "rb") as fin, open(path(names[0]), "wb") as fout, \
                     open(path(names[1]), "ab") as ferr:
                 try:
-                    flags = ["-I"] if cfg.site_packages else ["-I", "-S"]
-                    proc = subprocess.Popen([sys.executable, *flags, "-c", _LAUNCH, *args], cwd=d, env=env,
-                                            stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
-                                            pass_fds=(r, pw))
+                    run = Run(("-I",) if cfg.site_packages else ("-I", "-S"), env, d,
+                              [fin.fileno(), fout.fileno(), ferr.fileno(), r, pw], args, deadline + 5.0, cfg.fork_server)
                 finally:
                     os.close(r)
                     os.close(pw)
                 try:
                     if stdio:
-                        end = _follow(pr, time.monotonic() + cfg.timeout_s * n + 1.0, runs, case, wants)
+                        end = _follow(pr, time.monotonic() + deadline, runs, case, wants)
                     else:
-                        _wait(proc, cfg.timeout_s)
+                        run.wait(cfg.timeout_s)
                     timed_out = False
                 except subprocess.TimeoutExpired:
                     timed_out = True
                 finally:
-                    _kill_group(proc)  # on timeout or a wrong case, and the children it started after it exited
-                    proc.wait()
+                    returncode = run.finish()
         finally:
             os.close(pr)
         if not stdio:
             if timed_out:
                 return [case(0, "timeout", None)]
             done = Path(path("done")).read_bytes() if os.path.exists(path("done")) else b""
-            return [case(0, "early_exit" if proc.returncode == 0 and done != nonce else "ok", proc.returncode)]
+            return [case(0, "early_exit" if returncode == 0 and done != nonce else "ok", returncode)]
         if runs and (runs[-1].status != "ok" or runs[-1].code != 0 or
                      (wants is not None and not _same_output(runs[-1].out, wants[len(runs) - 1]))):
             return runs  # stopped at a case that failed: the verdict is in its run
         if end != nonce:  # the launcher did not get through: killed at the deadline, or broke itself
-            return runs + [CaseRun("timeout" if timed_out else "error", proc.returncode, "", tail("launcher.log"))]
+            return runs + [CaseRun("timeout" if timed_out else "error", returncode, "", tail("launcher.log"))]
         return runs
 
 

@@ -20,6 +20,26 @@ def _alive(marker: bytes) -> bool:
     return False
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _children(ppid: int) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == ppid:
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 def test_a_ray_reward_worker_scores_programs_and_leaves_nothing_behind(ray_session):
     import ray
 
@@ -41,4 +61,12 @@ def test_a_ray_reward_worker_scores_programs_and_leaves_nothing_behind(ray_sessi
         time.sleep(0.05)
     assert not _alive(b"59.8765")
     assert set(os.listdir("/dev/shm")) <= before
+    # the worker's warm interpreters (one per process slot) go with it when it is killed
+    actor_pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+    servers = [pid for pid in _children(actor_pid) if b"recv_fds" in _cmdline(pid)]
+    assert len(servers) == 2
     ray.kill(worker)
+    deadline = time.time() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)

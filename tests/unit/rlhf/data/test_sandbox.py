@@ -1,8 +1,10 @@
-"""The code verifier's sandbox: real `python -I` processes under limits, scored against both test forms."""
+"""The code verifier's sandbox: real `python -I` processes under limits, scored against both test forms, each
+sample's process a fork of a warm interpreter (the default) or a fresh one."""
 
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +12,12 @@ from rlhf.data.sandbox import check, check_batch, extract_program, parse_tests
 from rlhf.schema import SandboxConfig
 
 FAST = SandboxConfig(timeout_s=3.0, memory_mb=512, max_output_kb=64, processes=2)
+FRESH = SandboxConfig(timeout_s=3.0, memory_mb=512, max_output_kb=64, processes=2, fork_server=False)
+
+
+@pytest.fixture(params=[FAST, FRESH], ids=["fork", "fresh"])
+def cfg(request):
+    return request.param
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
 SUM_STDIO = json.dumps({"inputs": ["1 2\n", "10 -4\n"], "outputs": ["3\n", "6"]})
@@ -32,38 +40,38 @@ def test_tests_parse_in_both_forms_and_bad_ones_say_what_is_wrong():
             parse_tests(bad)
 
 
-def test_assert_tests_pass_fail_and_break():
-    assert check(f"```python\n{ADD}```", ADD_TESTS, FAST).status == "passed"
-    wrong = check("def add(a, b):\n    return a - b\n", ADD_TESTS, FAST)
+def test_assert_tests_pass_fail_and_break(cfg):
+    assert check(f"```python\n{ADD}```", ADD_TESTS, cfg).status == "passed"
+    wrong = check("def add(a, b):\n    return a - b\n", ADD_TESTS, cfg)
     assert (wrong.score, wrong.status) == (0.0, "failed") and "AssertionError" in wrong.detail
-    broken = check("def add(a, b) return a", ADD_TESTS, FAST)
+    broken = check("def add(a, b) return a", ADD_TESTS, cfg)
     assert (broken.score, broken.status) == (0.0, "error") and "SyntaxError" in broken.detail
-    assert check("raise RuntimeError('no')", ADD_TESTS, FAST).status == "error"
+    assert check("raise RuntimeError('no')", ADD_TESTS, cfg).status == "error"
 
 
-def test_stdin_stdout_cases_compare_lines_without_trailing_whitespace():
+def test_stdin_stdout_cases_compare_lines_without_trailing_whitespace(cfg):
     prog = "a, b = map(int, input().split())\nprint(a + b, '  ')\n"
-    assert check(prog, SUM_STDIO, FAST).score == 1.0
-    r = check("print(3)", SUM_STDIO, FAST)  # right on the first case only
+    assert check(prog, SUM_STDIO, cfg).score == 1.0
+    r = check("print(3)", SUM_STDIO, cfg)  # right on the first case only
     assert r.status == "failed" and r.detail.startswith("case 1")
     # sys.exit(0) is a normal end of a stdin/stdout program
-    assert check("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)", SUM_STDIO, FAST).score == 1.0
+    assert check("import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)", SUM_STDIO, cfg).score == 1.0
 
 
-def test_a_program_that_exits_before_the_asserts_scores_zero():
+def test_a_program_that_exits_before_the_asserts_scores_zero(cfg):
     for early in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
-        r = check(ADD + early, "assert add(1, 1) == 3", FAST)
+        r = check(ADD + early, "assert add(1, 1) == 3", cfg)
         assert (r.score, r.status) == (0.0, "error"), early
         assert "before the tests ran to the end" in r.detail, r.detail
 
 
-def test_limits_stop_loops_memory_and_output_floods():
+def test_limits_stop_loops_memory_and_output_floods(cfg):
     t0 = time.perf_counter()
-    r = check("while True:\n    pass", "assert True", SandboxConfig(timeout_s=1.0, memory_mb=512, processes=1))
+    r = check("while True:\n    pass", "assert True", replace(cfg, timeout_s=1.0, processes=1))
     assert (r.status, r.score) == ("timeout", 0.0) and time.perf_counter() - t0 < 5
-    r = check("x = bytearray(2 * 1024 ** 3)", "assert len(x) > 0", FAST)
+    r = check("x = bytearray(2 * 1024 ** 3)", "assert len(x) > 0", cfg)
     assert r.status == "error" and "MemoryError" in r.detail
-    r = check("while True:\n    print('x' * 1000)", "assert True", FAST)
+    r = check("while True:\n    print('x' * 1000)", "assert True", cfg)
     assert r.status == "error" and "KiB of output" in r.detail
 
 
@@ -82,13 +90,13 @@ def _alive(marker: str) -> list[int]:
     return found
 
 
-def test_children_the_program_started_are_killed_with_it():
+def test_children_the_program_started_are_killed_with_it(cfg):
     # one child in the run's group, one that moved to a group of its own; the program itself ends at once
     prog = ("import os, subprocess\n"
             "subprocess.Popen(['sleep', '61.2345'])\n"
             "subprocess.Popen(['sleep', '61.2346'], preexec_fn=os.setpgrp)\n"
             "print(3)\n")
-    assert check(prog, json.dumps({"inputs": [""], "outputs": ["3"]}), FAST).score == 1.0
+    assert check(prog, json.dumps({"inputs": [""], "outputs": ["3"]}), cfg).score == 1.0
     deadline = time.time() + 5
     while (_alive("61.2345") or _alive("61.2346")) and time.time() < deadline:
         time.sleep(0.05)
@@ -139,9 +147,9 @@ def test_stdin_stdout_cases_each_get_a_deadline_and_the_first_failure_stops_the_
     assert r.status == "error" and r.detail.startswith("run 1: exit 1") and "bad input" in r.detail
 
 
-def test_a_program_that_kills_its_launcher_scores_zero():
+def test_a_program_that_kills_its_launcher_scores_zero(cfg):
     prog = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(input())\n"
-    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), FAST)
+    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), cfg)
     assert (r.score, r.status) == (0.0, "error")
 
 
@@ -153,3 +161,56 @@ def test_the_first_wrong_output_stops_the_cases_that_follow(tmp_path):
     assert r.status == "failed" and r.detail.startswith("case 0")
     time.sleep(0.7)  # a later case, had it been left running, would have written by now
     assert log.read_text() == "0\n"
+
+
+def _servers() -> list[int]:
+    """This process's fork servers still running."""
+    from rlhf.data.sandbox_exec import _every
+    return [s.proc.pid for s in _every if s.proc.poll() is None]
+
+
+def test_forked_samples_do_not_see_each_other_and_a_server_a_program_killed_is_replaced():
+    from rlhf.data import sandbox_exec
+
+    one = SandboxConfig(timeout_s=3.0, memory_mb=512, processes=1)
+    leak = "import builtins, sys\nbuiltins.leaked = 1\nsys.modules['json'] = None\n"
+    assert check(leak, "assert builtins.leaked == 1", one).score == 1.0
+    # the next fork of the same server sees none of it
+    assert check("import json\n", "assert json.loads('1') == 1\nassert not hasattr(__builtins__, 'leaked')",
+                 one).score == 1.0
+    servers = _servers()
+    # an assert-style program's parent is its server: killing it fails the sample, and the next one gets a new server
+    r = check("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + ADD, ADD_TESTS, one)
+    assert (r.score, r.status) == (0.0, "error")
+    assert check(ADD, ADD_TESTS, one).score == 1.0
+    assert _servers() != servers
+    sandbox_exec.close_all()
+    assert _servers() == [] and sandbox_exec._every == []
+
+
+def test_a_server_whose_worker_went_away_kills_its_run_and_exits(tmp_path):
+    from rlhf.data.sandbox_exec import ForkServer
+
+    server = ForkServer(("-I", "-S"), {"PATH": os.environ["PATH"]})
+    # the program sleeps, and so does a child of it that moved to a group of its own
+    (tmp_path / "main.py").write_text("import os, subprocess, time\n"
+                                      "subprocess.Popen(['sleep', '60.4322'], preexec_fn=os.setpgrp)\n"
+                                      "time.sleep(60.4321)\n")
+    r, w = os.pipe()
+    os.write(w, b"nonce")
+    os.close(w)
+    progress = os.pipe()
+    with open(os.devnull, "rb") as fin, open(tmp_path / "out", "wb") as fout:
+        pid = server.start(str(tmp_path), 60.0, [str(512 << 20), "5", "65536", "R", "1", "P", "asserts", "5"],
+                           [fin.fileno(), fout.fileno(), fout.fileno(), r, progress[1]])
+    for fd in (r, *progress):
+        os.close(fd)
+    time.sleep(0.3)
+    assert os.path.exists(f"/proc/{pid}") and _alive("60.4322")
+    server.sock.close()  # the worker's end goes away, as when the reward worker is killed
+    deadline = time.time() + 5
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")
+    assert server.proc.wait(timeout=5) == 0
+    assert not _alive("60.4322")
