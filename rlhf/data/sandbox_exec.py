@@ -317,13 +317,14 @@ def checkout(flags: tuple[str, ...], env: dict[str, str]) -> ForkServer:
 
 def give_back(server: ForkServer, broken: bool) -> None:
     """Return a server after a run; a broken one is stopped, and the next checkout starts another."""
-    if broken:
-        with _lock:
-            if server in _every:
-                _every.remove(server)
+    with _lock:
+        kept = not broken and server in _every  # close_all may have run meanwhile
+        if kept:
+            _pools.setdefault(server.key, queue.SimpleQueue()).put(server)
+        elif server in _every:
+            _every.remove(server)
+    if not kept:
         server.close()
-    else:
-        _pools[server.key].put(server)
 
 
 @atexit.register
