@@ -381,6 +381,9 @@ class SandboxConfig:
     # true: each sample a fork of a warm interpreter (one per process slot, started once); false: a fresh
     # interpreter per sample (its start, about 20 ms, on every sample)
     fork_server: bool = True
+    # true: a stdin/stdout task scores the share of its cases passed (every case run; verl's `continuous`), not 0
+    # or 1; assert-style tasks still score 0 or 1
+    partial_credit: bool = False
 
 
 @dataclass(frozen=True)

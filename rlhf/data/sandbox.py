@@ -106,9 +106,10 @@ class CaseRun:
 
 
 def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
-                wants: Sequence[str] | None = None) -> list[CaseRun]:
+                wants: Sequence[str] | None = None, every_case: bool = False) -> list[CaseRun]:
     """Run `source` once (assert-style: `inputs` None) or once per input (stdin/stdout), up to the first case
-    that does not exit 0 or, given `wants`, whose output is not its want; one `CaseRun` per case run.
+    that does not exit 0 or, given `wants`, whose output is not its want (`every_case`: all of them); one
+    `CaseRun` per case run.
 
     Every stdin, stdout and stderr is a file in the run's directory: output is capped by the file-size limit (a
     write past it fails), never read into the worker's memory unbounded."""
@@ -147,7 +148,7 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
         os.close(w)
         pr, pw = os.pipe()  # the launcher's progress (stdin/stdout)
         args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), "R", str(n), "P",
-                "stdio" if stdio else "asserts", str(cfg.timeout_s)]
+                "stdio" if stdio else "asserts", str(cfg.timeout_s), "0" if every_case else "1"]
         # assert-style: the launcher is the program (case 0's files); stdin/stdout: the launcher's own log
         names = ("launcher.log", "launcher.log") if stdio else ("out_0", "err_0")
         runs: list[CaseRun] = []
@@ -164,7 +165,8 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                     os.close(pw)
                 try:
                     if stdio:
-                        end = _follow(pr, time.monotonic() + deadline, runs, case, wants)
+                        end = _follow(pr, time.monotonic() + deadline, runs, case, None if every_case else wants,
+                                      not every_case)
                     else:
                         run.wait(cfg.timeout_s)
                     timed_out = False
@@ -179,18 +181,18 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                 return [case(0, "timeout", None)]
             done = Path(path("done")).read_bytes() if os.path.exists(path("done")) else b""
             return [case(0, "early_exit" if returncode == 0 and done != nonce else "ok", returncode)]
-        if runs and (runs[-1].status != "ok" or runs[-1].code != 0 or
-                     (wants is not None and not _same_output(runs[-1].out, wants[len(runs) - 1]))):
+        if not every_case and runs and (runs[-1].status != "ok" or runs[-1].code != 0 or
+                                        (wants is not None and not _same_output(runs[-1].out, wants[len(runs) - 1]))):
             return runs  # stopped at a case that failed: the verdict is in its run
         if end != nonce:  # the launcher did not get through: killed at the deadline, or broke itself
             return runs + [CaseRun("timeout" if timed_out else "error", returncode, "", tail("launcher.log"))]
         return runs
 
 
-def _follow(pr: int, deadline: float, runs: list, case, wants) -> bytes:
+def _follow(pr: int, deadline: float, runs: list, case, wants, stop: bool = True) -> bytes:
     """Read the launcher's progress until its end line (returns the nonce in it) or the pipe closes (b""):
-    each finished case becomes a run, compared with its want at once; a wrong one ends the wait early.
-    TimeoutExpired past the deadline."""
+    each finished case becomes a run, compared with its want at once; a wrong one ends the wait early (unless
+    not `stop`). TimeoutExpired past the deadline."""
     buf = b""
     while True:
         while b"\n" in buf:
@@ -201,7 +203,8 @@ def _follow(pr: int, deadline: float, runs: list, case, wants) -> bytes:
             i = int(what)
             runs.append(case(i, "ok" if value != b"-" else "timeout", None if value == b"-" else int(value)))
             last = runs[-1]
-            if last.status != "ok" or last.code != 0 or (wants is not None and not _same_output(last.out, wants[i])):
+            if stop and (last.status != "ok" or last.code != 0 or
+                         (wants is not None and not _same_output(last.out, wants[i]))):
                 return b""
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([pr], [], [], left)[0]:
@@ -217,35 +220,44 @@ def _same_output(got: str, want: str) -> bool:
 
 
 def check(response: str, answer: str, cfg: SandboxConfig) -> SandboxResult:
-    """Score one response against its task's tests (never raises)."""
+    """Score one response against its task's tests (never raises): 1.0 when every test passes, else 0.0, or with
+    `cfg.partial_credit` the share of stdin/stdout cases passed (every case run)."""
     t0 = time.perf_counter()
     try:
         tests = parse_tests(answer)
     except ValueError as e:
         return SandboxResult(0.0, "bad_tests", time.perf_counter() - t0, str(e))
     program = extract_program(response)
+    partial = cfg.partial_credit and tests.asserts is None
     if tests.asserts is not None:
         runs, wants = run_program(program + "\n\n" + tests.asserts + "\n", None, cfg), [None]
     else:
         wants = [w for _, w in tests.cases]
-        runs = run_program(program, [stdin for stdin, _ in tests.cases], cfg, wants)
-    for i, (run, want) in enumerate(zip(runs, wants)):
-        if run.status != "ok":
-            detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
-                      "early_exit": "exited before the tests ran to the end",
-                      "error": f"the sandbox failed: {run.err.strip()[-300:]}"}[run.status]
-            return SandboxResult(0.0, "timeout" if run.status == "timeout" else "error", time.perf_counter() - t0,
-                                 f"run {i}: {detail}")
-        if run.code != 0:
-            failed = "AssertionError" in run.err  # a test that does not hold, not a program that breaks
-            return SandboxResult(0.0, "failed" if failed else "error", time.perf_counter() - t0,
-                                 f"run {i}: exit {run.code}: {run.err.strip()[-300:]}")
-        if want is not None and not _same_output(run.out, want):
-            return SandboxResult(0.0, "failed", time.perf_counter() - t0,
-                                 f"case {i}: expected {want[:80]!r}, got {run.out[:80]!r}")
-    if len(runs) < len(wants):  # cannot happen: the launcher stops early only at a failing case
-        return SandboxResult(0.0, "error", time.perf_counter() - t0, f"{len(runs)} of {len(wants)} cases ran")
-    return SandboxResult(1.0, "passed", time.perf_counter() - t0)
+        runs = run_program(program, [stdin for stdin, _ in tests.cases], cfg, wants, every_case=partial)
+    verdicts = [_verdict(i, run, want, cfg) for i, (run, want) in enumerate(zip(runs, wants))]
+    failures = [v for v in verdicts if v is not None]
+    if len(runs) < len(wants) and not failures:  # cannot happen: the launcher stops early only at a failing case
+        failures.append(("error", f"{len(runs)} of {len(wants)} cases ran"))
+    seconds = time.perf_counter() - t0
+    if not failures:
+        return SandboxResult(1.0, "passed", seconds)
+    score = verdicts.count(None) / len(wants) if partial else 0.0
+    return SandboxResult(score, failures[0][0], seconds, failures[0][1])
+
+
+def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tuple[str, str] | None:
+    """None when run `i` passed, else its status (failed, error, timeout) and what went wrong."""
+    if run.status != "ok":
+        detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
+                  "early_exit": "exited before the tests ran to the end",
+                  "error": f"the sandbox failed: {run.err.strip()[-300:]}"}[run.status]
+        return "timeout" if run.status == "timeout" else "error", f"run {i}: {detail}"
+    if run.code != 0:
+        failed = "AssertionError" in run.err  # a test that does not hold, not a program that breaks
+        return "failed" if failed else "error", f"run {i}: exit {run.code}: {run.err.strip()[-300:]}"
+    if want is not None and not _same_output(run.out, want):
+        return "failed", f"case {i}: expected {want[:80]!r}, got {run.out[:80]!r}"
+    return None
 
 
 def check_batch(responses: Sequence[str], answers: Sequence[str], cfg: SandboxConfig) -> list[SandboxResult]:

@@ -37,12 +37,13 @@ import threading
 # child closes both pipes at once, takes in_<i> / out_<i> / err_<i> as fds 0-2 and runs the program; the
 # launcher waits for it (killed past timeout_s), reports "<case> <exit code or ->" on the progress pipe, where
 # the worker compares that case's output (the expected outputs never enter the sandbox) and kills the run at
-# the first wrong one, and stops itself at the first case that fails or times out. It reads the nonce only
-# after the last case and ends the progress with it. `sys.exit(0)` is a normal end of a case.
+# the first wrong one, and stops itself at the first case that fails or times out (with partial credit it runs
+# every case, and the worker reads them all). It reads the nonce only after the last case and ends the progress
+# with it. `sys.exit(0)` is a normal end of a case.
 LAUNCH = """\
 import os, resource, sys, types
 mem, cpu, size, fd, cases, progress = (int(v) for v in sys.argv[1:7])
-mode, timeout = sys.argv[7], float(sys.argv[8])
+mode, timeout, stop = sys.argv[7], float(sys.argv[8]), sys.argv[9] == "1"
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
@@ -109,7 +110,7 @@ for i in range(cases):
         os.kill(pid, signal.SIGKILL)
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if done_in_time else None
     os.write(progress, f"{i} {'-' if status is None else status}\\n".encode())
-    if status != 0:
+    if status != 0 and stop:
         break
 os.write(progress, b"end " + os.read(fd, 64) + b"\\n")
 """

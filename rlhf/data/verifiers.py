@@ -10,6 +10,7 @@ would stop the run. The reward workers (`actors.reward`) and held-out evaluation
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Sequence
 
 from rlhf.data import sandbox
@@ -51,7 +52,8 @@ def score_batch(kind: RewardKind, responses: Sequence[str], answers: Sequence[st
 
 def accuracy_scores(reward: RewardConfig, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
     """Scores by the run's rule verifier, for accuracy (held-out evaluation, `rlhf eval`): exact match when the
-    run's reward is a model, since accuracy needs the reference answers."""
+    run's reward is a model, since accuracy needs the reference answers. A task counts as solved only when every
+    test passes, with or without `reward.sandbox.partial_credit`."""
     kind = reward.kind if reward.kind in RULES else RewardKind.exact_match
-    return score_batch(kind, responses, answers, reward.sandbox)[0]
+    return score_batch(kind, responses, answers, replace(reward.sandbox, partial_credit=False))[0]
 

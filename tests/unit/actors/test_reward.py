@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors.reward import RewardModelWorker, RuleRewardWorker
-from rlhf.schema import ModelConfig, RewardKind
+from rlhf.schema import ModelConfig, RewardKind, SandboxConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.reward_model import Qwen3MoeRewardModel, load_reward_model, save_reward_model
 
@@ -104,3 +104,9 @@ def test_accuracy_is_scored_by_the_runs_rule_or_by_exact_match_under_a_reward_mo
     tests = '{"inputs": [""], "outputs": ["12"]}'
     assert accuracy_scores(RewardConfig(kind=RewardKind.code), ["print(12)", "12"], [tests, tests]) == [1.0, 0.0]
     assert accuracy_scores(RewardConfig(kind=RewardKind.model, model_path="/rm"), ["12", "13"], ["12", "12"]) == [1.0, 0.0]
+    # partial credit rewards half a solution; accuracy counts solved tasks only
+    two = '{"inputs": ["1", "2"], "outputs": ["12", "12"]}'
+    partial = RewardConfig(kind=RewardKind.code, sandbox=SandboxConfig(partial_credit=True))
+    prog = "print(12 if input() == '1' else 0)"
+    assert RuleRewardWorker(RewardKind.code, partial.sandbox).score([prog], [two], ["p"]).scores == [0.5]
+    assert accuracy_scores(partial, [prog, "print(12)"], [two, two]) == [0.0, 1.0]

@@ -201,7 +201,7 @@ def test_a_server_whose_worker_went_away_kills_its_run_and_exits(tmp_path):
     os.close(w)
     progress = os.pipe()
     with open(os.devnull, "rb") as fin, open(tmp_path / "out", "wb") as fout:
-        pid = server.start(str(tmp_path), 60.0, [str(512 << 20), "5", "65536", "R", "1", "P", "asserts", "5"],
+        pid = server.start(str(tmp_path), 60.0, [str(512 << 20), "5", "65536", "R", "1", "P", "asserts", "5", "1"],
                            [fin.fileno(), fout.fileno(), fout.fileno(), r, progress[1]])
     for fd in (r, *progress):
         os.close(fd)
@@ -214,3 +214,19 @@ def test_a_server_whose_worker_went_away_kills_its_run_and_exits(tmp_path):
     assert not os.path.exists(f"/proc/{pid}")
     assert server.proc.wait(timeout=5) == 0
     assert not _alive("60.4322")
+
+
+def test_partial_credit_scores_the_share_of_cases_passed_and_runs_them_all(cfg):
+    partial = replace(cfg, partial_credit=True, timeout_s=1.0)
+    tests = json.dumps({"inputs": ["1", "2", "loop", "4", "die"], "outputs": ["1", "2", "3", "4", "5"]})
+    prog = ("import sys\nx = input()\n"
+            "if x == 'loop':\n    while True: pass\n"
+            "if x == 'die':\n    sys.exit('bad input')\n"
+            "print(x)\n")
+    r = check(prog, tests, partial)  # cases 0, 1 and 3 pass; 2 times out, 4 exits 1
+    assert (r.score, r.status) == (3 / 5, "timeout") and r.detail == "run 2: over 1.0 s"
+    assert check(prog, tests, replace(partial, partial_credit=False)).score == 0.0  # all or nothing
+    assert check("print(input())", json.dumps({"inputs": ["a", "b"], "outputs": ["a", "b"]}), partial).score == 1.0
+    assert check("print(", tests, partial).score == 0.0  # does not compile: no case passes
+    # assert-style tasks stay all or nothing
+    assert check("def add(a, b):\n    return 3\n", ADD_TESTS, partial).score == 0.0
