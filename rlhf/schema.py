@@ -379,7 +379,7 @@ class SandboxConfig:
     # beside the reward worker (numpy, ...), a slower start (the site's imports)
     site_packages: bool = False
     # true: each sample a fork of a warm interpreter (one per process slot, started once); false: a fresh
-    # interpreter per sample (its start, about 20 ms, on every sample)
+    # interpreter per sample (its start on every sample: 2.3-4.4x the seconds, benchmarks/sandbox_bench.py)
     fork_server: bool = True
     # true: a stdin/stdout task scores the share of its cases passed (every case run; verl's `continuous`), not 0
     # or 1; assert-style tasks still score 0 or 1

@@ -165,8 +165,7 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                     os.close(pw)
                 try:
                     if stdio:
-                        end = _follow(pr, time.monotonic() + deadline, runs, case, None if every_case else wants,
-                                      not every_case)
+                        end = _follow(pr, time.monotonic() + deadline, runs, case, wants, stop=not every_case)
                     else:
                         run.wait(cfg.timeout_s)
                     timed_out = False
@@ -181,8 +180,7 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                 return [case(0, "timeout", None)]
             done = Path(path("done")).read_bytes() if os.path.exists(path("done")) else b""
             return [case(0, "early_exit" if returncode == 0 and done != nonce else "ok", returncode)]
-        if not every_case and runs and (runs[-1].status != "ok" or runs[-1].code != 0 or
-                                        (wants is not None and not _same_output(runs[-1].out, wants[len(runs) - 1]))):
+        if not every_case and runs and not _passed(runs[-1], None if wants is None else wants[len(runs) - 1]):
             return runs  # stopped at a case that failed: the verdict is in its run
         if end != nonce:  # the launcher did not get through: killed at the deadline, or broke itself
             return runs + [CaseRun("timeout" if timed_out else "error", returncode, "", tail("launcher.log"))]
@@ -202,9 +200,7 @@ def _follow(pr: int, deadline: float, runs: list, case, wants, stop: bool = True
                 return value
             i = int(what)
             runs.append(case(i, "ok" if value != b"-" else "timeout", None if value == b"-" else int(value)))
-            last = runs[-1]
-            if stop and (last.status != "ok" or last.code != 0 or
-                         (wants is not None and not _same_output(last.out, wants[i]))):
+            if stop and not _passed(runs[-1], None if wants is None else wants[i]):
                 return b""
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([pr], [], [], left)[0]:
@@ -213,6 +209,11 @@ def _follow(pr: int, deadline: float, runs: list, case, wants, stop: bool = True
         if not chunk:
             return b""
         buf += chunk
+
+
+def _passed(run: CaseRun, want: str | None) -> bool:
+    """The run ended by itself, exit 0, with the wanted output (if any)."""
+    return run.status == "ok" and run.code == 0 and (want is None or _same_output(run.out, want))
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -247,6 +248,8 @@ def check(response: str, answer: str, cfg: SandboxConfig) -> SandboxResult:
 
 def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tuple[str, str] | None:
     """None when run `i` passed, else its status (failed, error, timeout) and what went wrong."""
+    if _passed(run, want):
+        return None
     if run.status != "ok":
         detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
                   "early_exit": "exited before the tests ran to the end",
@@ -255,9 +258,7 @@ def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tupl
     if run.code != 0:
         failed = "AssertionError" in run.err  # a test that does not hold, not a program that breaks
         return "failed" if failed else "error", f"run {i}: exit {run.code}: {run.err.strip()[-300:]}"
-    if want is not None and not _same_output(run.out, want):
-        return "failed", f"case {i}: expected {want[:80]!r}, got {run.out[:80]!r}"
-    return None
+    return "failed", f"case {i}: expected {want[:80]!r}, got {run.out[:80]!r}"
 
 
 def check_batch(responses: Sequence[str], answers: Sequence[str], cfg: SandboxConfig) -> list[SandboxResult]:

@@ -1,9 +1,10 @@
 """How the code verifier starts each sample's process (rlhf/data/sandbox.py): a fork of a warm interpreter (the
 fork server, default) or a fresh `python -I -S` (`reward.sandbox.fork_server: false`).
 
-A fresh interpreter costs its start (about 20 ms here) on every sample, more than a small program's whole run.
-The fork server is that interpreter started once per concurrent slot of a reward worker (`processes` of them),
-importing nothing a program would not find in a fresh one beyond `socket` and `select`; for each sample it forks,
+A fresh interpreter costs its start on every sample, more than a small program's whole run (2.4-4.4x the ms of
+a forked sample with one process: benchmarks/sandbox_bench.py, docs/code_reward.md). The fork server is that
+interpreter started once per concurrent slot of a reward worker (`processes` of them), importing beyond a fresh
+one only `socket` and the launcher's own imports (resource, select, signal, traceback, types); for each sample it forks,
 and the child becomes the run: its own session, the sample's directory as cwd and HOME, the sample's files as
 fds 0-2, then the launcher, exactly as a fresh interpreter runs it. A child is a copy of the server: what a
 program changes (modules, builtins, globals) dies with it, so samples cannot see each other.
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 # Sets the limits inside the child, then runs the program as __main__ (no preexec_fn: the reward worker has
 # threads, and a fork with threads must exec at once); compiled and exec'd in a fresh `__main__` module, not by
@@ -155,7 +157,7 @@ def child(d, args, fds):
         sys.stderr.flush()
     except BaseException:
         code = code or 1
-    os._exit(code & 0xFF if code >= 0 else 1)
+    os._exit(code & 0xFF)  # as the interpreter: sys.exit(-1) is 255
 while True:
     try:
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 5)
@@ -372,12 +374,12 @@ class Run:
             if not ended:
                 raise subprocess.TimeoutExpired("sandbox", timeout)
             return
-        start = os.times().elapsed
+        end = time.monotonic() + timeout
         try:
             self.code = self.server.exit_code(timeout)
         except ServerBroken:  # a program killed its server: the launcher may live on, an orphan
             self.broken = True
-            if not wait_pid(self.pid, max(0.0, timeout - (os.times().elapsed - start))):
+            if not wait_pid(self.pid, max(0.0, end - time.monotonic())):
                 raise subprocess.TimeoutExpired("sandbox", timeout) from None
             return
         if self.code is None:

@@ -56,4 +56,3 @@ def accuracy_scores(reward: RewardConfig, responses: Sequence[str], answers: Seq
     test passes, with or without `reward.sandbox.partial_credit`."""
     kind = reward.kind if reward.kind in RULES else RewardKind.exact_match
     return score_batch(kind, responses, answers, replace(reward.sandbox, partial_credit=False))[0]
-
