@@ -28,3 +28,13 @@ def pytest_configure(config):
     if missing:
         raise pytest.UsageError(f"required package(s) not installed: {', '.join(missing)}; run `make setup` "
                                 f"(or pip install -e '.[cpu,dev]' after torch==2.13.0)")
+
+
+@pytest.fixture(autouse=True)
+def _temp_dir_kept():
+    """A test leaves this process's temp directory as it found it: a TMPDIR left inside a test's tmp_path made a
+    later Ray start in the same pytest process fail (its socket paths over AF_UNIX's 107 bytes)."""
+    before = os.environ.get("TMPDIR")
+    yield
+    after = os.environ.get("TMPDIR")
+    assert after == before, f"the test changed TMPDIR from {before!r} to {after!r}: use monkeypatch.setenv"

@@ -32,13 +32,24 @@ def test_leftover_segments_of_one_engine_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eng10-a", "other"]
 
 
+PLATFORM_ENV = ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
+                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "VLLM_CPU_OMP_THREADS_BIND", "TORCH_COMPILE_DISABLE", "TMPDIR")
+
+
+def unset_for_the_test(monkeypatch) -> None:
+    """Unset what `prepare_platform` sets, and have the test's end put each back as it was: set to its old value or
+    absent. (`delenv` of an absent variable records nothing, so a value the test set stayed: a TMPDIR left in
+    the test's tmp_path made a later Ray start in the same pytest process fail on a socket path over 107 bytes.)"""
+    for key in PLATFORM_ENV:
+        monkeypatch.setenv(key, "")  # remembers the old value, or that there was none
+        monkeypatch.delenv(key)
+
+
 def test_the_platform_points_vllm_sockets_into_the_process_dir(tmp_path, monkeypatch):
     from rlhf.schema import DeviceType, RolloutConfig
 
     monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
-    for key in ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
-                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
-        monkeypatch.delenv(key, raising=False)
+    unset_for_the_test(monkeypatch)
     vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig())
     assert os.environ["VLLM_RPC_BASE_PATH"] == str(ipc_dir()) and stat.S_ISDIR(os.stat(ipc_dir()).st_mode)
     assert "TMPDIR" not in os.environ or os.environ["TMPDIR"] != str(ipc_dir())  # this process is not the engine's
@@ -49,9 +60,7 @@ def test_an_engine_process_of_its_own_keeps_all_of_vllm_temp_files_in_its_dir(tm
 
     monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
     monkeypatch.setattr(vllm_platform.tempfile, "tempdir", vllm_platform.tempfile.tempdir)
-    for key in ("VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
-                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "TMPDIR"):
-        monkeypatch.delenv(key, raising=False)
+    unset_for_the_test(monkeypatch)
     vllm_platform.prepare_platform(DeviceType.cpu, RolloutConfig(), own_process=True)
     assert os.environ["TMPDIR"] == vllm_platform.tempfile.gettempdir() == str(ipc_dir())
     assert ipc_dir().parent == tmp_path  # computed from the machine's temp dir, not the redirected one
