@@ -4,15 +4,17 @@
     python -m benchmarks.sandbox_bench --samples 128 --processes 1 2 4
     python -m benchmarks.sandbox_bench --cases 20           # stdin/stdout samples of 20 cases (CodeContests-like)
     python -m benchmarks.sandbox_bench --start fork         # only the default start (a fork of a warm interpreter)
+    python -m benchmarks.sandbox_bench --language cpp       # C++ programs: a compile, then a run per case
 
-Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style
-(a function and three asserts, one run), half stdin/stdout (`--cases` cases, 3 by default, a run each); a
-quarter of the programs are wrong. Every configuration is timed `--rounds` times, interleaved; the median wall-clock
-seconds over the samples is the seconds per sample a reward worker with that many `processes` spends. Both ways
-to start a sample's process are timed side by side (`--start`): `fork` (a fork of a warm interpreter,
-`reward.sandbox.fork_server: true`, the default) and `fresh` (a new interpreter per sample). Ends with one JSON
-line (`seconds_per_sample` per start and processes setting, `fork_speedup` per processes setting, and the runs
-per sample).
+Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style (a
+function and three asserts, one run), half stdin/stdout (`--cases` cases, 3 by default, a run each); a quarter of
+the programs are wrong. `--language cpp`: every sample a C++ stdin/stdout program (```cpp, compiled with the
+default `reward.sandbox.cpp_command`), a quarter wrong. Every configuration is timed `--rounds` times, interleaved;
+the median wall-clock seconds over the samples is the seconds per sample a reward worker with that many `processes`
+spends. Both ways to start a sample's process are timed side by side (`--start`): `fork` (a fork of a warm
+interpreter, `reward.sandbox.fork_server: true`, the default) and `fresh` (a new interpreter per sample). Ends with
+one JSON line (`seconds_per_sample` per start and processes setting, `fork_speedup` per processes setting, and the
+runs per sample).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ ASSERT_BAD = "def add(a, b):\n    return a - b\n"
 ASSERT_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15"
 STDIO_OK = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n"
 STDIO_BAD = "print(0)\n"
+CPP_OK = '```cpp\n#include <{}>\nint main() {{ long a, b; scanf("%ld %ld", &a, &b); printf("%ld\\n", a + b); }}\n```'
+CPP_BAD = '```cpp\n#include <{}>\nint main() {{ printf("0\\n"); }}\n```'
 
 
 def stdio_tests(cases: int) -> str:
@@ -34,13 +38,17 @@ def stdio_tests(cases: int) -> str:
     return json.dumps({"inputs": [f"{a} {b}\n" for a, b in pairs], "outputs": [str(a + b) for a, b in pairs]})
 
 
-def samples(n: int, cases: int = 3) -> tuple[list[str], list[str], int]:
+def samples(n: int, cases: int = 3, language: str = "python", include: str = "cstdio") -> tuple[list[str], list[str], int]:
     """n (response, tests) pairs and the program runs they take (a wrong stdio program stops at its first case)."""
     responses, answers, runs = [], [], 0
     tests = stdio_tests(cases)
     for i in range(n):
         wrong = i % 4 == 3
-        if i % 2 == 0:
+        if language == "cpp":
+            responses.append((CPP_BAD if wrong else CPP_OK).format(include))
+            answers.append(tests)
+            runs += 1 if wrong else cases
+        elif i % 2 == 0:
             responses.append(ASSERT_BAD if wrong else ASSERT_OK)
             answers.append(ASSERT_TESTS)
             runs += 1
@@ -60,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=3, help="stdin/stdout cases of each such sample")
     parser.add_argument("--start", choices=["fork", "fresh"], nargs="+", default=["fork", "fresh"],
                         help="how each sample's process starts: fork (reward.sandbox.fork_server: true) or fresh")
+    parser.add_argument("--language", choices=["python", "cpp"], default="python",
+                        help="cpp: C++ stdin/stdout programs, each compiled (g++) before its cases run")
+    parser.add_argument("--cpp-include", default="cstdio",
+                        help="the header the C++ programs include (bits/stdc++.h, as contest solutions do, compiles "
+                             "far slower)")
     args = parser.parse_args(argv)
     if args.samples < 4 or args.rounds < 1 or min(args.processes) < 1 or args.cases < 1:
         parser.error("--samples >= 4, --rounds >= 1, --cases >= 1 and every --processes >= 1")
@@ -68,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.data.sandbox_exec import close_all
     from rlhf.schema import SandboxConfig
 
-    responses, answers, runs = samples(args.samples, args.cases)
+    responses, answers, runs = samples(args.samples, args.cases, args.language, args.cpp_include)
     expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
     setups = [(start, p) for start in args.start for p in args.processes]
     times: dict[tuple[str, int], list[float]] = {k: [] for k in setups}
@@ -89,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({per_sample[f'{start}/{p}'] * 1000:.1f} ms a sample)", flush=True)
     speedup = {str(p): round(per_sample[f"fresh/{p}"] / per_sample[f"fork/{p}"], 2)
                for p in args.processes if len(args.start) == 2}
-    print(json.dumps({"samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
+    print(json.dumps({"language": args.language, **({"cpp_include": args.cpp_include} if args.language == "cpp" else {}),
+                      "samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
                       "seconds_per_sample": per_sample, "fork_speedup": speedup,
                       "seconds_all": {f"{start}/{p}": [round(s, 3) for s in t] for (start, p), t in times.items()}}))
     return 0

@@ -384,6 +384,10 @@ class SandboxConfig:
     # true: a stdin/stdout task scores the share of its cases passed (every case run; verl's `continuous`), not 0
     # or 1; assert-style tasks still score 0 or 1
     partial_credit: bool = False
+    # C++ programs (a response whose last fenced block is ```cpp, c++, cxx or cc; stdin/stdout tests): the compile
+    # command, then `-o main main.cpp`; the compile runs under memory_mb and its own wall clock
+    cpp_command: str = "g++ -O2 -std=c++17"
+    compile_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -313,8 +313,12 @@ def reward_problems(w: RewardConfig) -> list[Problem]:
     b = w.sandbox
     p = [Problem(f"reward.sandbox.{k}", v, f"must be > 0 ({what})") for k, v, what in (
         ("timeout_s", b.timeout_s, "seconds a program may run"), ("memory_mb", b.memory_mb, "its address space"),
-        ("max_output_kb", b.max_output_kb, "its output"), ("processes", b.processes, "programs run at once"))
+        ("max_output_kb", b.max_output_kb, "its output"), ("processes", b.processes, "programs run at once"),
+        ("compile_timeout_s", b.compile_timeout_s, "seconds a C++ compile may take"))
         if not v > 0]
+    if not b.cpp_command.split():
+        p.append(Problem("reward.sandbox.cpp_command", b.cpp_command, "is empty: give the C++ compiler and its flags "
+                         "(default g++ -O2 -std=c++17)"))
     if 0 < b.memory_mb < 64:
         p.append(Problem("reward.sandbox.memory_mb", b.memory_mb, "is below what a Python interpreter needs to "
                          "start (about 30 MB of address space; 64 at least)"))

@@ -33,6 +33,8 @@ import os
 import re
 import secrets
 import select
+import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -41,16 +43,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rlhf.data.sandbox_exec import Run
+from rlhf.data.sandbox_exec import Run, compile_program
 from rlhf.schema import SandboxConfig
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
+CPP_TAGS = frozenset({"cpp", "c++", "cxx", "cc"})
+
+
 def extract_program(response: str) -> str:
     """The last fenced code block's body (```python ... ```, ```py, or a bare ```), else the whole response."""
+    return extract(response)[1]
+
+
+def extract(response: str) -> tuple[str, str]:
+    """The program's language ("cpp" when the last fenced block is tagged cpp, c++, cxx or cc; else "python")
+    and its source (`extract_program`)."""
     blocks = _FENCE.findall(response)
-    return blocks[-1][1] if blocks else response
+    if not blocks:
+        return "python", response
+    tag, body = blocks[-1]
+    return ("cpp" if tag.lower() in CPP_TAGS else "python"), body
 
 
 @dataclass(frozen=True)
@@ -99,17 +113,18 @@ class SandboxResult:
 
 @dataclass(frozen=True)
 class CaseRun:
-    status: str  # ok | timeout | output | early_exit | error (the launcher itself failed)
+    status: str  # ok | timeout | output | early_exit | error (the launcher itself failed) | compile_error | compile_timeout
     code: int | None  # the exit code
     out: str
     err: str  # its tail
 
 
 def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
-                wants: Sequence[str] | None = None, every_case: bool = False) -> list[CaseRun]:
+                wants: Sequence[str] | None = None, every_case: bool = False, language: str = "python") -> list[CaseRun]:
     """Run `source` once (assert-style: `inputs` None) or once per input (stdin/stdout), up to the first case
     that does not exit 0 or, given `wants`, whose output is not its want (`every_case`: all of them); one
-    `CaseRun` per case run.
+    `CaseRun` per case run. `language` "cpp" (stdin/stdout only): compiled first (`cfg.cpp_command`), each case
+    runs the binary; a compile that fails or overruns is the one run returned.
 
     Every stdin, stdout and stderr is a file in the run's directory: output is capped by the file-size limit (a
     write past it fails), never read into the worker's memory unbounded."""
@@ -137,18 +152,32 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                     out = f.read(cap)
             return CaseRun(status, code, out.decode("utf-8", "replace"), tail(f"err_{i}"))
 
-        Path(path("main.py")).write_text(source, encoding="utf-8")
         for i, text in enumerate(inputs if stdio else [""]):
             Path(path(f"in_{i}")).write_text(text, encoding="utf-8")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        binary = language == "cpp"
+        if binary:
+            if not stdio:
+                raise ValueError("a C++ program needs stdin/stdout tests (assert-style tests are Python)")
+            Path(path("main.cpp")).write_text(source, encoding="utf-8")
+            command = [*shlex.split(cfg.cpp_command), "-o", "main", "main.cpp"]
+            if shutil.which(command[0], path=env["PATH"]) is None:
+                return [CaseRun("error", None, "", f"the C++ compiler {command[0]!r} is not installed on this reward "
+                                                   "worker's machine: install it or set reward.sandbox.cpp_command")]
+            code = compile_program(command, d, env, cfg.memory_mb * 1024 * 1024, cfg.compile_timeout_s,
+                                   path("compile.log"))
+            if code != 0:
+                return [CaseRun("compile_timeout" if code is None else "compile_error", code, "", tail("compile.log"))]
+        else:
+            Path(path("main.py")).write_text(source, encoding="utf-8")
         nonce = secrets.token_hex(16).encode()
         r, w = os.pipe()
         os.write(w, nonce)
         os.close(w)
         pr, pw = os.pipe()  # the launcher's progress (stdin/stdout)
         args = [str(cfg.memory_mb * 1024 * 1024), str(int(cfg.timeout_s) + 1), str(cap), "R", str(n), "P",
-                "stdio" if stdio else "asserts", str(cfg.timeout_s), "0" if every_case else "1"]
+                "stdio" if stdio else "asserts", str(cfg.timeout_s), "0" if every_case else "1", "bin" if binary else "py"]
         # assert-style: the launcher is the program (case 0's files); stdin/stdout: the launcher's own log
         names = ("launcher.log", "launcher.log") if stdio else ("out_0", "err_0")
         runs: list[CaseRun] = []
@@ -228,13 +257,17 @@ def check(response: str, answer: str, cfg: SandboxConfig) -> SandboxResult:
         tests = parse_tests(answer)
     except ValueError as e:
         return SandboxResult(0.0, "bad_tests", time.perf_counter() - t0, str(e))
-    program = extract_program(response)
+    language, program = extract(response)
     partial = cfg.partial_credit and tests.asserts is None
     if tests.asserts is not None:
+        if language == "cpp":
+            return SandboxResult(0.0, "error", time.perf_counter() - t0, "a C++ program for assert-style (Python) "
+                                 "tests: the task wants Python")
         runs, wants = run_program(program + "\n\n" + tests.asserts + "\n", None, cfg), [None]
     else:
         wants = [w for _, w in tests.cases]
-        runs = run_program(program, [stdin for stdin, _ in tests.cases], cfg, wants, every_case=partial)
+        runs = run_program(program, [stdin for stdin, _ in tests.cases], cfg, wants, every_case=partial,
+                           language=language)
     verdicts = [_verdict(i, run, want, cfg) for i, (run, want) in enumerate(zip(runs, wants))]
     failures = [v for v in verdicts if v is not None]
     if len(runs) < len(wants) and not failures:  # cannot happen: the launcher stops early only at a failing case
@@ -253,8 +286,10 @@ def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tupl
     if run.status != "ok":
         detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
                   "early_exit": "exited before the tests ran to the end",
-                  "error": f"the sandbox failed: {run.err.strip()[-300:]}"}[run.status]
-        return "timeout" if run.status == "timeout" else "error", f"run {i}: {detail}"
+                  "error": f"the sandbox failed: {run.err.strip()[-300:]}",
+                  "compile_error": f"the compile failed (exit {run.code}): {run.err.strip()[:300]}",  # the first error
+                  "compile_timeout": f"the compile took over {cfg.compile_timeout_s} s"}[run.status]
+        return "timeout" if run.status.endswith("timeout") else "error", f"run {i}: {detail}"
     if run.code != 0:
         failed = "AssertionError" in run.err  # a test that does not hold, not a program that breaks
         return "failed" if failed else "error", f"run {i}: exit {run.code}: {run.err.strip()[-300:]}"

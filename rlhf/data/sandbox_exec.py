@@ -41,11 +41,12 @@ import time
 # the worker compares that case's output (the expected outputs never enter the sandbox) and kills the run at
 # the first wrong one, and stops itself at the first case that fails or times out (with partial credit it runs
 # every case, and the worker reads them all). It reads the nonce only after the last case and ends the progress
-# with it. `sys.exit(0)` is a normal end of a case.
+# with it. `sys.exit(0)` is a normal end of a case. A compiled program (argument 10 "bin", stdin/stdout only): each
+# case's child execs ./main instead of running main.py.
 LAUNCH = """\
 import os, resource, sys, types
 mem, cpu, size, fd, cases, progress = (int(v) for v in sys.argv[1:7])
-mode, timeout, stop = sys.argv[7], float(sys.argv[8]), sys.argv[9] == "1"
+mode, timeout, stop, binary = sys.argv[7], float(sys.argv[8]), sys.argv[9] == "1", sys.argv[10] == "bin"
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
@@ -56,8 +57,10 @@ def run(code):
     main.__file__ = "main.py"
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
-with open("main.py", "rb") as f:
-    source = f.read()
+source = b""
+if not binary:
+    with open("main.py", "rb") as f:
+        source = f.read()
 if mode == "asserts":
     nonce = os.read(fd, 64)
     os.close(fd)
@@ -68,7 +71,7 @@ if mode == "asserts":
     sys.exit(0)
 import select, signal, traceback
 try:
-    code = compile(source, "main.py", "exec")  # once: each case's fork runs it
+    code = None if binary else compile(source, "main.py", "exec")  # once: each case's fork runs it
 except BaseException:
     with open("err_0", "w") as f:
         traceback.print_exc(file=f)
@@ -84,6 +87,8 @@ for i in range(cases):
             for name, target, flags in ((f"in_{i}", 0, os.O_RDONLY), (f"out_{i}", 1, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                         (f"err_{i}", 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
                 os.dup2(os.open(name, flags, 0o600), target)
+            if binary:  # a compiled program (C++): the case child becomes it, under the same limits
+                os.execv("./main", ["./main"])
             run(code)
         except SystemExit as e:
             status = e.code if isinstance(e.code, int) else (e.code is not None)
@@ -191,6 +196,36 @@ while True:
     except OSError:
         break
 """
+
+
+# A compile (C++) under limits: address space, CPU seconds, file size (the objects and the binary), no core
+# files; then the compiler itself. Run in its own session, killed with everything it started at the end.
+COMPILE = """\
+import os, resource, sys
+mem, cpu, size = (int(v) for v in sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.execvp(sys.argv[4], sys.argv[4:])
+"""
+COMPILE_FILE_LIMIT = 256 * 2**20  # the compile's files: a program whose binary would be larger fails to compile
+
+
+def compile_program(command: list[str], d: str, env: dict, memory: int, timeout: float, log: str) -> int | None:
+    """Run `command` (the compiler and its arguments) in directory `d` under limits, its messages into `log`: its
+    exit code, or None past `timeout` seconds. Every process it started is gone on return."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", COMPILE, str(memory), str(int(timeout) + 1),
+                                 str(COMPILE_FILE_LIMIT), *command], cwd=d, env=dict(env, TMPDIR=d),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
 
 
 def available() -> bool:

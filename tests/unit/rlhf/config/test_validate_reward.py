@@ -39,3 +39,6 @@ def test_sandbox_limits_must_be_positive(tmp_path):
         _load(tmp_path, "reward.kind=code", "reward.sandbox.memory_mb=32")
     cfg = _load(tmp_path, "reward.kind=code", "reward.sandbox.timeout_s=2.5")
     assert cfg.reward.sandbox.timeout_s == 2.5 and cfg.reward.sandbox.processes == 2
+    with pytest.raises(ConfigError, match=r"reward.sandbox.compile_timeout_s = 0.0: must be > 0") as e:
+        _load(tmp_path, "reward.kind=code", "reward.sandbox.compile_timeout_s=0", "reward.sandbox.cpp_command=' '")
+    assert "reward.sandbox.cpp_command = ' ': is empty: give the C++ compiler and its flags" in str(e.value)

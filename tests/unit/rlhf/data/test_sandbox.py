@@ -201,7 +201,8 @@ def test_a_server_whose_worker_went_away_kills_its_run_and_exits(tmp_path):
     os.close(w)
     progress = os.pipe()
     with open(os.devnull, "rb") as fin, open(tmp_path / "out", "wb") as fout:
-        pid = server.start(str(tmp_path), 60.0, [str(512 << 20), "5", "65536", "R", "1", "P", "asserts", "5", "1"],
+        pid = server.start(str(tmp_path), 60.0, [str(512 << 20), "5", "65536", "R", "1", "P", "asserts", "5", "1",
+                                                   "py"],
                            [fin.fileno(), fout.fileno(), fout.fileno(), r, progress[1]])
     for fd in (r, *progress):
         os.close(fd)

@@ -1,0 +1,78 @@
+"""C++ programs in the code verifier: a response whose last fenced block is tagged cpp (c++, cxx, cc) is compiled
+(`reward.sandbox.cpp_command`, under limits and its own wall clock) and its binary runs each stdin/stdout case
+under the same limits as a Python program, from a fork of a warm interpreter or a fresh one. Real g++ compiles."""
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+
+import pytest
+
+from rlhf.data.sandbox import check, extract
+from tests.unit.rlhf.data.test_sandbox import FAST, FRESH, _alive
+
+SUM = json.dumps({"inputs": ["1 2\n", "40 2\n", "5 5\n"], "outputs": ["3\n", "42\n", "10"]})
+ADD = '#include <cstdio>\nint main() { long long a, b; scanf("%lld %lld", &a, &b); printf("%lld\\n", a + b); }\n'
+
+
+def cpp(source: str, tag: str = "cpp") -> str:
+    return f"Here it is:\n```{tag}\n{source}```\n"
+
+
+@pytest.fixture(params=[FAST, FRESH], ids=["fork", "fresh"])
+def cfg(request):
+    return request.param
+
+
+def test_the_language_is_the_last_fenced_blocks_tag():
+    assert extract(cpp("int main() {}\n")) == ("cpp", "int main() {}\n")
+    assert [extract(cpp("x", tag))[0] for tag in ("c++", "CXX", "cc", "python", "py", "")] == \
+        ["cpp", "cpp", "cpp", "python", "python", "python"]
+    assert extract("```cpp\nint main() {}\n```\nor in Python:\n```python\nprint(1)\n```") == ("python", "print(1)\n")
+    assert extract("print(1)") == ("python", "print(1)")  # no fence: the whole response, as Python
+
+
+def test_a_cpp_program_is_compiled_once_and_runs_every_case(cfg):
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("cc")}  # g++'s temporary files
+    r = check(cpp(ADD), SUM, cfg)
+    assert (r.score, r.status) == (1.0, "passed"), r.detail
+    wrong = check(cpp(ADD.replace("a + b", "a * b"), "c++"), SUM, cfg)
+    assert (wrong.score, wrong.status) == (0.0, "failed") and wrong.detail == "case 0: expected '3\\n', got '2\\n'"
+    # partial credit: the share of the cases passed (40 * 2 is not 42; 1 * 2 is not 3; 5 + 5 is 10 both ways)
+    half = ADD.replace("a + b", "a == 5 ? a + b : a * b")
+    assert check(cpp(half), SUM, replace(cfg, partial_credit=True)).score == pytest.approx(1 / 3)
+    assert {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("cc")} <= before
+
+
+def test_compile_errors_crashes_loops_and_memory_blowups_score_zero(cfg):
+    short = replace(cfg, timeout_s=1.0)
+    r = check(cpp("int main( { return 0; }\n"), SUM, short)
+    assert r.status == "error" and r.detail.startswith("run 0: the compile failed (exit 1): main.cpp:"), r.detail
+    r = check(cpp("int main() { volatile int *p = nullptr; *p = 1; }\n"), SUM, short)
+    assert (r.status, r.detail) == ("error", "run 0: exit -11: ")  # SIGSEGV
+    r = check(cpp("int main() { volatile long x = 0; while (true) x++; }\n"), SUM, short)
+    assert (r.status, r.detail) == ("timeout", "run 0: over 1.0 s")
+    huge = "#include <vector>\nint main() { std::vector<char> v(4000000000ULL, 1); return v[7] - 1; }\n"
+    r = check(cpp(huge), SUM, short)  # over memory_mb: the allocation fails
+    assert r.status == "error" and "bad_alloc" in r.detail, r.detail
+
+
+def test_a_compile_past_its_timeout_is_killed_with_what_it_started():
+    slow = replace(FAST, cpp_command="sh -c 'sleep 61.4567' --", compile_timeout_s=1.0)  # a compiler that hangs
+    t0 = time.monotonic()
+    r = check(cpp(ADD), SUM, slow)
+    assert (r.status, r.detail) == ("timeout", "run 0: the compile took over 1.0 s") and time.monotonic() - t0 < 5
+    deadline = time.time() + 5
+    while _alive("61.4567") and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive("61.4567")
+
+
+def test_a_missing_compiler_or_a_cpp_program_for_python_tests_say_what_is_wrong():
+    r = check(cpp(ADD), SUM, replace(FAST, cpp_command="no-such-cxx -O2"))
+    assert r.status == "error" and "'no-such-cxx' is not installed" in r.detail
+    assert "reward.sandbox.cpp_command" in r.detail
+    r = check(cpp(ADD), "assert add(2, 3) == 5", FAST)
+    assert (r.score, r.status) == (0.0, "error") and "the task wants Python" in r.detail
