@@ -83,29 +83,42 @@ def main(argv: list[str] | None = None) -> int:
 
     responses, answers, runs = samples(args.samples, args.cases, args.language, args.cpp_include)
     expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
-    setups = [(start, p) for start in args.start for p in args.processes]
-    times: dict[tuple[str, int], list[float]] = {k: [] for k in setups}
+    # C++: with the precompiled header (the default) and without it, side by side
+    headers = {"pch": SandboxConfig.cpp_precompiled_header, "plain": ""} if args.language == "cpp" else {"": ""}
+    setups = [(start, p, h) for start in args.start for p in args.processes for h in headers]
+    name = {k: "/".join(str(x) for x in k if x != "") for k in setups}
+    times: dict[tuple, list[float]] = {k: [] for k in setups}
+    extra = {}
     try:
+        if args.language == "cpp":  # built once per worker process, before the first C++ sample: timed apart
+            t0 = time.perf_counter()
+            check_batch(responses[:1], answers[:1], SandboxConfig(processes=1))
+            extra["pch_build_and_first_sample_seconds"] = round(time.perf_counter() - t0, 3)
         for _ in range(args.rounds):
-            for start, p in setups:
-                cfg = SandboxConfig(timeout_s=args.timeout_s, processes=p, fork_server=start == "fork")
+            for start, p, h in setups:
+                cfg = SandboxConfig(timeout_s=args.timeout_s, processes=p, fork_server=start == "fork",
+                                    cpp_precompiled_header=headers[h])
                 t0 = time.perf_counter()
                 scores = [r.score for r in check_batch(responses, answers, cfg)]
-                times[start, p].append(time.perf_counter() - t0)
+                times[start, p, h].append(time.perf_counter() - t0)
                 if scores != expected:
-                    raise SystemExit(f"{start}, processes {p}: scores {scores} differ from the expected {expected}")
+                    raise SystemExit(f"{name[start, p, h]}: scores {scores} differ from the expected {expected}")
     finally:
         close_all()  # the warm interpreters
-    per_sample = {f"{start}/{p}": round(statistics.median(t) / args.samples, 4) for (start, p), t in times.items()}
-    for (start, p), t in times.items():
-        print(f"{start}, processes {p}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
-              f"({per_sample[f'{start}/{p}'] * 1000:.1f} ms a sample)", flush=True)
-    speedup = {str(p): round(per_sample[f"fresh/{p}"] / per_sample[f"fork/{p}"], 2)
+    per_sample = {name[k]: round(statistics.median(t) / args.samples, 4) for k, t in times.items()}
+    for k, t in times.items():
+        print(f"{name[k]}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
+              f"({per_sample[name[k]] * 1000:.1f} ms a sample)", flush=True)
+    h = "/pch" if args.language == "cpp" else ""
+    speedup = {str(p): round(per_sample[f"fresh/{p}{h}"] / per_sample[f"fork/{p}{h}"], 2)
                for p in args.processes if len(args.start) == 2}
+    if args.language == "cpp":
+        extra["pch_speedup"] = {f"{start}/{p}": round(per_sample[f"{start}/{p}/plain"] / per_sample[f"{start}/{p}/pch"], 2)
+                                for start in args.start for p in args.processes}
     print(json.dumps({"language": args.language, **({"cpp_include": args.cpp_include} if args.language == "cpp" else {}),
                       "samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
-                      "seconds_per_sample": per_sample, "fork_speedup": speedup,
-                      "seconds_all": {f"{start}/{p}": [round(s, 3) for s in t] for (start, p), t in times.items()}}))
+                      "seconds_per_sample": per_sample, "fork_speedup": speedup, **extra,
+                      "seconds_all": {name[k]: [round(s, 3) for s in t] for k, t in times.items()}}))
     return 0
 
 

@@ -388,6 +388,8 @@ class SandboxConfig:
     # command, then `-o main main.cpp`; the compile runs under memory_mb and its own wall clock
     cpp_command: str = "g++ -O2 -std=c++17"
     compile_timeout_s: float = 10.0
+    # built once per reward worker with cpp_command's flags, used in place of the header by every compile ("": none)
+    cpp_precompiled_header: str = "bits/stdc++.h"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rlhf.data.sandbox_exec import Run, compile_program
+from rlhf.data.sandbox_cpp import compile_program, precompiled
+from rlhf.data.sandbox_exec import Run
 from rlhf.schema import SandboxConfig
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -161,12 +162,13 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
             if not stdio:
                 raise ValueError("a C++ program needs stdin/stdout tests (assert-style tests are Python)")
             Path(path("main.cpp")).write_text(source, encoding="utf-8")
-            command = [*shlex.split(cfg.cpp_command), "-o", "main", "main.cpp"]
+            command = shlex.split(cfg.cpp_command)
             if shutil.which(command[0], path=env["PATH"]) is None:
                 return [CaseRun("error", None, "", f"the C++ compiler {command[0]!r} is not installed on this reward "
                                                    "worker's machine: install it or set reward.sandbox.cpp_command")]
-            code = compile_program(command, d, env, cfg.memory_mb * 1024 * 1024, cfg.compile_timeout_s,
-                                   path("compile.log"))
+            pch = precompiled(command, cfg.cpp_precompiled_header, env, cfg.memory_mb * 1024 * 1024)
+            code = compile_program([*command, *(["-I", pch] if pch else []), "-o", "main", "main.cpp"], d, env,
+                                   cfg.memory_mb * 1024 * 1024, cfg.compile_timeout_s, path("compile.log"))
             if code != 0:
                 return [CaseRun("compile_timeout" if code is None else "compile_error", code, "", tail("compile.log"))]
         else:

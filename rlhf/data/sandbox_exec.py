@@ -198,36 +198,6 @@ while True:
 """
 
 
-# A compile (C++) under limits: address space, CPU seconds, file size (the objects and the binary), no core
-# files; then the compiler itself. Run in its own session, killed with everything it started at the end.
-COMPILE = """\
-import os, resource, sys
-mem, cpu, size = (int(v) for v in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.execvp(sys.argv[4], sys.argv[4:])
-"""
-COMPILE_FILE_LIMIT = 256 * 2**20  # the compile's files: a program whose binary would be larger fails to compile
-
-
-def compile_program(command: list[str], d: str, env: dict, memory: int, timeout: float, log: str) -> int | None:
-    """Run `command` (the compiler and its arguments) in directory `d` under limits, its messages into `log`: its
-    exit code, or None past `timeout` seconds. Every process it started is gone on return."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", COMPILE, str(memory), str(int(timeout) + 1),
-                                 str(COMPILE_FILE_LIMIT), *command], cwd=d, env=dict(env, TMPDIR=d),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            kill_group(proc.pid)
-            proc.wait()
-
-
 def available() -> bool:
     """The fork server needs pidfds and fd passing (Linux >= 5.3, Python >= 3.9)."""
     return hasattr(os, "pidfd_open") and hasattr(socket, "send_fds") and sys.platform.startswith("linux")

@@ -60,7 +60,8 @@ def test_compile_errors_crashes_loops_and_memory_blowups_score_zero(cfg):
 
 
 def test_a_compile_past_its_timeout_is_killed_with_what_it_started():
-    slow = replace(FAST, cpp_command="sh -c 'sleep 61.4567' --", compile_timeout_s=1.0)  # a compiler that hangs
+    # a compiler that hangs (nothing to precompile with it)
+    slow = replace(FAST, cpp_command="sh -c 'sleep 61.4567' --", compile_timeout_s=1.0, cpp_precompiled_header="")
     t0 = time.monotonic()
     r = check(cpp(ADD), SUM, slow)
     assert (r.status, r.detail) == ("timeout", "run 0: the compile took over 1.0 s") and time.monotonic() - t0 < 5
@@ -76,3 +77,43 @@ def test_a_missing_compiler_or_a_cpp_program_for_python_tests_say_what_is_wrong(
     assert "reward.sandbox.cpp_command" in r.detail
     r = check(cpp(ADD), "assert add(2, 3) == 5", FAST)
     assert (r.score, r.status) == (0.0, "error") and "the task wants Python" in r.detail
+
+
+CONTEST = ("#include <bits/stdc++.h>\nusing namespace std;\n"
+           "int main() { long long a, b; cin >> a >> b; cout << a + b << endl; }\n")
+
+
+def test_bits_stdcpp_is_precompiled_once_and_taken_in_place_of_the_header(tmp_path):
+    from rlhf.data.sandbox_cpp import compile_program, precompiled
+
+    command, env = ["g++", "-O2", "-std=c++17"], {"PATH": os.environ["PATH"]}
+    d = precompiled(command, "bits/stdc++.h", env, 1 << 30)
+    assert d is not None and os.path.isfile(os.path.join(d, "bits", "stdc++.h.gch"))
+    assert os.path.basename(d).startswith(f"rlhf-pch-{os.getpid()}-")
+    assert precompiled(command, "bits/stdc++.h", env, 1 << 30) == d  # built once per process and command
+    (tmp_path / "main.cpp").write_text(CONTEST)
+    log = tmp_path / "compile.log"
+    assert compile_program([*command, "-H", "-I", d, "-o", "main", "main.cpp"], str(tmp_path), env, 1 << 30, 30.0,
+                           str(log)) == 0
+    assert f"! {d}/bits/stdc++.h.gch" in log.read_text()  # g++ -H: "!" marks a precompiled header it used
+    assert check(cpp(CONTEST), SUM, FAST).status == "passed"  # what a reward worker does, with the default config
+
+
+def test_a_header_that_cannot_be_precompiled_leaves_compiles_as_they_were(caplog):
+    from rlhf.data.sandbox_cpp import precompiled
+
+    assert precompiled(["g++", "-O2"], "no/such_header.h", {"PATH": os.environ["PATH"]}, 1 << 30) is None
+    assert "<no/such_header.h> could not be precompiled" in caplog.text
+    assert check(cpp(ADD), SUM, replace(FAST, cpp_precompiled_header="no/such_header.h")).status == "passed"
+
+
+def test_the_directories_of_dead_processes_go_and_live_ones_stay():
+    from rlhf.data.sandbox_cpp import PCH_PREFIX, remove_dead_dirs
+
+    dead = tempfile.mkdtemp(prefix=f"{PCH_PREFIX}{2**22 + 12345}-")  # above the kernel's pid limit: never alive
+    live = tempfile.mkdtemp(prefix=f"{PCH_PREFIX}{os.getpid()}-")
+    try:
+        assert os.path.basename(dead) in remove_dead_dirs() and not os.path.exists(dead)
+        assert os.path.isdir(live)
+    finally:
+        os.rmdir(live)
