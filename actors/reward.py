@@ -25,6 +25,10 @@ class RuleRewardWorker:
             raise ValueError(f"reward.kind = {kind.value!r} is not a rule verifier; use one of "
                              f"{[k.value for k in RULES]}")
         self.kind, self.sandbox = kind, sandbox
+        if kind is RewardKind.code:  # precompiled headers of code workers killed on this machine (100 MB each)
+            from rlhf.data.sandbox_cpp import remove_dead_dirs
+
+            remove_dead_dirs()
 
     def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:
         """`prompts` is accepted so every reward worker is called alike; rules only read the answers."""

@@ -7,8 +7,8 @@ compile, 15 times its `<cstdio>` twin: the header is most of the work (`python -
 flags (a precompiled header only serves compiles with the flags it was built with), it sits in a directory of
 this process that each compile searches first (`-I`), as `bits/stdc++.h.gch`: g++ takes it in place of the
 header. A header that cannot be precompiled (another compiler, another standard library) is compiled as usual,
-with a warning in the log. The directory (about 100 MB) is removed at exit, and by the next build on the machine
-when its process was killed.
+with a warning in the log. The directory (about 100 MB) is removed at exit; one whose process was killed, by the
+next code reward worker started on the machine, or the next build.
 """
 
 from __future__ import annotations

@@ -110,3 +110,17 @@ def test_accuracy_is_scored_by_the_runs_rule_or_by_exact_match_under_a_reward_mo
     prog = "print(12 if input() == '1' else 0)"
     assert RuleRewardWorker(RewardKind.code, partial.sandbox).score([prog], [two], ["p"]).scores == [0.5]
     assert accuracy_scores(partial, [prog, "print(12)"], [two, two]) == [0.0, 1.0]
+
+
+def test_a_code_worker_removes_the_precompiled_headers_of_killed_workers_and_scores_cpp():
+    import os
+    import tempfile
+
+    from rlhf.data.sandbox_cpp import PCH_PREFIX
+
+    dead = tempfile.mkdtemp(prefix=f"{PCH_PREFIX}{2**22 + 54321}-")  # above any pid: a worker killed earlier
+    w = RuleRewardWorker(RewardKind.code, SandboxConfig(timeout_s=3.0, cpp_precompiled_header=""))
+    assert not os.path.exists(dead)
+    program = "```cpp\n#include <cstdio>\nint main() { int a; scanf(\"%d\", &a); printf(\"%d\\n\", 2 * a); }\n```"
+    out = w.score([program], ['{"inputs": ["21"], "outputs": ["42"]}'])
+    assert out.scores == [1.0] and out.verdicts["passed"] == 1
