@@ -7,10 +7,11 @@ A task's reference answer holds its tests, in one of two forms:
                    the program reads each input on stdin; its stdout must equal the output, compared line by
                    line with trailing whitespace ignored
 
-The program is the last fenced code block of the response (```python ... ``` or ``` ... ```), or the whole
-response when it has none. A response scores 1.0 when every test passes, else 0.0 (sparse, as DeepCoder and
-verl's code rewards score); it never raises: a syntax error, an exception, a wrong output, a timeout or a
-memory blow-up all score 0 (`SandboxResult.status` says which).
+The program is the last fenced code block of the response (```python ... ``` or ``` ... ```), or the whole response
+when it has none. A block tagged ```cpp (c++, cxx, cc) is a C++ program, for stdin/stdout tests: compiled under
+limits, then its binary runs each case as a Python program would (rlhf/data/sandbox_cpp.py). A response scores 1.0
+when every test passes, else 0.0 (sparse, as DeepCoder and verl's code rewards score); it never raises: a syntax
+error, an exception, a wrong output, a timeout or a memory blow-up all score 0 (`SandboxResult.status` says which).
 
 Each sample runs in a `python -I -S` process (no site-packages, no user site, no PYTHON* variables; with
 `site_packages` the worker's installed packages are importable): a fork of a warm one (`fork_server`, the

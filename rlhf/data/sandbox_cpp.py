@@ -2,7 +2,7 @@
 and a precompiled `<bits/stdc++.h>`, the header contest solutions include, built once per reward-worker process.
 
 With g++ 12 at -O2 on this project's machines, a program that includes `<bits/stdc++.h>` took about 1.2 s to
-compile, 15 times its `<cstdio>` twin: the header is most of the work (`python -m benchmarks.sandbox_bench
+compile, about 17 times its `<cstdio>` twin: the header is most of the work (`python -m benchmarks.sandbox_bench
 --language cpp --cpp-include bits/stdc++.h`, docs/code_reward.md). Built once with the compile command's own
 flags (a precompiled header only serves compiles with the flags it was built with), it sits in a directory of
 this process that each compile searches first (`-I`), as `bits/stdc++.h.gch`: g++ takes it in place of the
