@@ -8,11 +8,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from rlhf.leftovers import remove_dead_process_dirs
 from rlhf.schema import DeviceType, RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -31,22 +31,7 @@ def ipc_dir(pid: int | None = None) -> Path:
 
 def remove_dead_ipc_dirs() -> list[str]:
     """The socket directories of engine-hosting processes that are gone (killed, crashed)."""
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-    removed = []
-    for path in Path(TEMP_BASE).glob(f"{IPC_PREFIX}*"):
-        pid = path.name[len(IPC_PREFIX):]
-        if pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    return removed
+    return remove_dead_process_dirs(TEMP_BASE, IPC_PREFIX)
 
 
 def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Sequence[int] | None = None,

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 from rlhf.data.sandbox_exec import kill_group
+from rlhf.leftovers import remove_dead_process_dirs
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,4 @@ def _build(command: list[str], header: str, env: dict, memory: int) -> str | Non
 
 def remove_dead_dirs() -> list[str]:
     """Precompiled-header directories of processes that are gone (a reward worker killed before its exit)."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{PCH_PREFIX}*"):
-        pid = path.name[len(PCH_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    return removed
+    return remove_dead_process_dirs(tempfile.gettempdir(), PCH_PREFIX)
