@@ -6,7 +6,8 @@ reported together in one `ConfigError`, before any process or actor starts.
 
 from __future__ import annotations
 
-from pathlib import Path
+import shlex
+from pathlib import Path, PurePosixPath
 
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.layout import fit_problems, trainer_layout
@@ -316,9 +317,19 @@ def reward_problems(w: RewardConfig) -> list[Problem]:
         ("max_output_kb", b.max_output_kb, "its output"), ("processes", b.processes, "programs run at once"),
         ("compile_timeout_s", b.compile_timeout_s, "seconds a C++ compile may take"))
         if not v > 0]
-    if not b.cpp_command.split():
+    try:
+        words = shlex.split(b.cpp_command)
+    except ValueError as e:  # as the reward workers split it
+        words = None
+        p.append(Problem("reward.sandbox.cpp_command", b.cpp_command, f"does not split into words as a shell would "
+                         f"({e}): balance its quotes"))
+    if words == []:
         p.append(Problem("reward.sandbox.cpp_command", b.cpp_command, "is empty: give the C++ compiler and its flags "
                          "(default g++ -O2 -std=c++17)"))
+    header = PurePosixPath(b.cpp_precompiled_header)
+    if b.cpp_precompiled_header and (header.is_absolute() or ".." in header.parts):
+        p.append(Problem("reward.sandbox.cpp_precompiled_header", b.cpp_precompiled_header, "is a header as programs "
+                         "include it, relative and without '..' (e.g. bits/stdc++.h), or '' for none"))
     if 0 < b.memory_mb < 64:
         p.append(Problem("reward.sandbox.memory_mb", b.memory_mb, "is below what a Python interpreter needs to "
                          "start (about 30 MB of address space; 64 at least)"))

@@ -42,3 +42,9 @@ def test_sandbox_limits_must_be_positive(tmp_path):
     with pytest.raises(ConfigError, match=r"reward.sandbox.compile_timeout_s = 0.0: must be > 0") as e:
         _load(tmp_path, "reward.kind=code", "reward.sandbox.compile_timeout_s=0", "reward.sandbox.cpp_command=' '")
     assert "reward.sandbox.cpp_command = ' ': is empty: give the C++ compiler and its flags" in str(e.value)
+    with pytest.raises(ConfigError, match=r"reward.sandbox.cpp_command = .*balance its quotes") as e:
+        _load(tmp_path, "reward.kind=code", "reward.sandbox.cpp_command=\"g++ -DX='a\"",
+              "reward.sandbox.cpp_precompiled_header=../x.h")
+    assert "reward.sandbox.cpp_precompiled_header = '../x.h': is a header as programs include it" in str(e.value)
+    with pytest.raises(ConfigError, match=r"cpp_precompiled_header = '/etc/x.h': is a header as programs include it"):
+        _load(tmp_path, "reward.kind=code", "reward.sandbox.cpp_precompiled_header=/etc/x.h")
