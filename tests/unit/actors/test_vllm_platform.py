@@ -5,6 +5,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from actors import vllm_platform
 from actors.vllm_platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remove_leftover_shm
 
@@ -65,6 +67,30 @@ def test_an_engine_process_of_its_own_keeps_all_of_vllm_temp_files_in_its_dir(tm
     assert os.environ["TMPDIR"] == vllm_platform.tempfile.gettempdir() == str(ipc_dir())
     assert ipc_dir().parent == tmp_path  # computed from the machine's temp dir, not the redirected one
 
+
+
+@pytest.mark.parametrize("tmpdir_set", [False, True])
+def test_an_engine_in_a_shared_process_names_its_temp_files_in_its_dir_while_it_starts(tmp_path, monkeypatch,
+                                                                                     tmpdir_set):
+    """vLLM's executor names a file store in the temp directory when the engine starts (and never removes it):
+    inside `engine_temp_dir` that is the process's socket directory; afterwards the temp directory is as it was,
+    also when the start fails."""
+    import tempfile
+
+    monkeypatch.setattr(vllm_platform, "TEMP_BASE", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    unset_for_the_test(monkeypatch)
+    if tmpdir_set:
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+    before = tempfile.gettempdir()
+    ipc_dir().mkdir()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with vllm_platform.engine_temp_dir():
+            assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(ipc_dir())
+            store = tempfile.NamedTemporaryFile(prefix="vllm_dist_", delete=False).name  # as vLLM names its own
+            raise RuntimeError("engine failed")
+    assert os.path.dirname(store) == str(ipc_dir())
+    assert tempfile.gettempdir() == before and os.environ.get("TMPDIR") == (str(tmp_path) if tmpdir_set else None)
 
 NO_COMPILE_CHECK = """
 import os, threading
