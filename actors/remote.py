@@ -34,8 +34,13 @@ class RoleHandle:
         self.actor, self.role, self.rank, self.probe_s = actor, role, rank, probe_s
 
     def kill(self) -> None:
+        """Kill the actor now. After `ray.shutdown()` it went with the instance: nothing to do (`ray.kill` would
+        first start a new local instance, dashboard included, then fail on the old handle: the async main job
+        started a second Ray instance at its end, 5-10 s, for its queue's shards)."""
         import ray
 
+        if not ray.is_initialized():
+            return
         ray.kill(self.actor, no_restart=True)
 
     def submit(self, method: str, *args, _num_returns: int = 1, **kwargs):

@@ -33,3 +33,29 @@ def test_oldest_first_over_shards_with_drops_and_restore(ray_session):
             again.close()
     finally:
         q.close()
+
+
+SHUT_THEN_CLOSE = """
+import ray
+from actors.dist_queue import DistQueue
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+q = DistQueue(shards=1, name_prefix="dq-shut-")
+assert q.size() == 0  # the shard is up
+ray.shutdown()  # as a run that owns its Ray instance ends: the shards went with it
+q.close()
+print("initialized after close:", ray.is_initialized())
+"""
+
+
+def test_closing_after_the_instance_ended_starts_no_new_instance():
+    """A queue closed after its run shut its own Ray instance down (the async loop closes the queue last) must
+    not start a second instance to kill actors that are gone: `ray.kill` of an old handle starts one, dashboard
+    included (5-10 s at the end of every async run, and a directory left in /tmp), then fails."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", SHUT_THEN_CLOSE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "initialized after close: False" in r.stdout
+    assert r.stderr.count("Started a local Ray instance") == 1, r.stderr[-3000:]
