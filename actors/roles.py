@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from actors.remote import RoleError, RoleHandle, call_all, call_each, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
+from actors.vllm_platform import SHUTDOWN_GRACE_S
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import RewardKind, RoutingReplay, RunConfig
 
@@ -332,7 +333,7 @@ class Roles:
 
         for e in self.engines:
             try:
-                e.call("close", timeout_s=60)
+                e.call("close", timeout_s=SHUTDOWN_GRACE_S + 60)  # outlasts the grace close gives vLLM's processes
             except Exception:
                 pass
         for h in self.trainer + self.reference + self.engines + self.rewards:

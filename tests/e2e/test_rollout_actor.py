@@ -6,6 +6,7 @@ import os
 import pytest
 
 from actors.remote import RoleError, spawn
+from actors.vllm_platform import SHUTDOWN_GRACE_S
 from rlhf.config import load_model_config
 from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
@@ -37,8 +38,10 @@ def test_engine_actor_generates_and_updates(ray_session, tmp_path):
         with pytest.raises(RoleError, match=r"rollout rank 0: update_weights raised WeightUpdateRejected"):
             engine.call("update_weights", list(to_hf_tensors(m2.state_dict(), cfg))[:-1], version=8)
     finally:  # vLLM unlinks its shared memory on close; a killed actor cannot
-        engine.call("close", timeout_s=60)
-        engine.kill()
+        try:
+            engine.call("close", timeout_s=SHUTDOWN_GRACE_S + 60)  # outlasts the grace close gives vLLM's processes
+        finally:
+            engine.kill()  # also when close failed: the next test's actors take the same names
 
 
 def test_failures_and_timeouts_name_role_and_rank(ray_session):
