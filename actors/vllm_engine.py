@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import (SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, ipc_dir, prepare_platform,
-                                  remove_leftover_shm)
+from actors.vllm_platform import (SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, held_shm, ipc_dir,
+                                  prepare_platform, remove_leftover_shm)
 from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
 from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
@@ -96,8 +96,11 @@ class VLLMEngine:
         with engine_temp_dir():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
-        # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed)
-        self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p})
+        # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed); in a
+        # process of its own, also the message queues' segments and locks its processes hold (`held_shm`), which
+        # nobody removes once the engine's actor is killed
+        self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p}
+                                    | set(held_shm() if own_process else ()))
         remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with
@@ -145,8 +148,9 @@ class VLLMEngine:
         return os.getpid()
 
     def shm_prefixes(self) -> list[str]:
-        """The prefixes of the shared-memory segments this engine's workers create (the driver keeps them for
-        the engine that replaces this one, should it die); answering also says the engine is up."""
+        """The prefixes (and, in a process of its own, exact names) of the shared-memory segments this engine's
+        processes create (the driver keeps them for the engine that replaces this one, should it die); answering
+        also says the engine is up."""
         return list(self._shm_prefixes)
 
     def join_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str = "gloo",

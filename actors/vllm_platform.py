@@ -121,14 +121,52 @@ def no_compile() -> None:
 
 
 def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
-    """Segments of this engine's workers still in /dev/shm after its processes ended: a worker that is
-    killed (vLLM force-kills those slower than the shutdown grace, e.g. on a busy machine) or crashes never
-    unlinks its collectives' segments. The prefix (VLLM_DIST_IDENT) is unique to the engine."""
+    """Segments of this engine's processes still in /dev/shm after they ended: a worker that is killed (vLLM
+    force-kills those slower than the shutdown grace, e.g. on a busy machine) or crashes never unlinks its
+    collectives' segments. Each entry is a prefix unique to the engine (VLLM_DIST_IDENT: `<prefix>-*`) or the
+    exact name of a segment its processes held (`held_shm`)."""
     removed = []
     for prefix in prefixes:
-        for path in Path(shm_dir).glob(f"{glob.escape(prefix)}-*"):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+        for pattern in (glob.escape(prefix), f"{glob.escape(prefix)}-*"):
+            for path in Path(shm_dir).glob(pattern):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
     if removed:
         log.warning("engine close: removed %d shared-memory segment(s) its workers left: %s", len(removed), removed)
     return removed
+
+
+HELD_PREFIXES = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory (vLLM's message queues) and semaphores
+
+
+def held_shm(root_pid: int | None = None, shm_dir: str = "/dev/shm", proc: str = "/proc") -> list[str]:
+    """Names of the multiprocessing segments and semaphores (`HELD_PREFIXES`) in `shm_dir` that process `root_pid`
+    (this one by default) and its descendants have mapped: for an engine in a process of its own, the message
+    queues between its engine core and its workers (hundreds of MB each) and their locks. vLLM names them at
+    random and their owners' resource trackers unlink them, but an engine actor killed outright (a crash,
+    `ray.kill`) takes its trackers with it: the engine that replaces it removes them (`stale_shm`)."""
+    root = os.getpid() if root_pid is None else root_pid
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir(proc):
+        if entry.name.isdigit():
+            try:
+                with open(f"{entry.path}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    names, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
+            with open(f"{proc}/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+                    path = fields[5].strip() if len(fields) == 6 else ""
+                    name = os.path.basename(path)
+                    if os.path.dirname(path) == shm_dir and name.startswith(HELD_PREFIXES):  # "(deleted)": skipped
+                        names.add(name)
+        except OSError:
+            continue
+    return sorted(n for n in names if os.path.exists(os.path.join(shm_dir, n)))

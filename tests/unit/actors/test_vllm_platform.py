@@ -148,3 +148,34 @@ def test_fp32_mla_engines_on_cpu_take_the_reference_mla_backend(tmp_path):
     assert attention_kwargs(DeviceType.cpu, bf16, mla) == {}
     assert attention_kwargs(DeviceType.cpu, fp32, qwen) == {}
     assert attention_kwargs(DeviceType.cuda, fp32, mla) == {}
+
+
+HOLD = """
+import sys, time
+from multiprocessing import shared_memory
+m = shared_memory.SharedMemory(create=True, size=4096)
+print(m.name, flush=True)
+sys.stdin.readline()
+m.close(); m.unlink()
+"""
+
+
+def test_the_segments_a_process_tree_holds_are_named_and_removable(tmp_path):
+    """`held_shm`: the multiprocessing segments a process and its descendants have mapped (an engine actor's
+    message queues), not those of other processes; `remove_leftover_shm` takes exact names as well as prefixes."""
+    from multiprocessing import shared_memory
+
+    mine = shared_memory.SharedMemory(create=True, size=4096)
+    child = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = child.stdout.readline().strip()
+        assert vllm_platform.held_shm(child.pid) == [theirs]  # the child's only
+        assert {mine.name, theirs} <= set(vllm_platform.held_shm())  # this process and its descendants
+    finally:
+        child.communicate("\n", timeout=30)
+        mine.close()
+        mine.unlink()
+    for name in ("psm_ab12", "psm_ab123", "ident-x", "identx"):
+        (tmp_path / name).touch()
+    assert sorted(remove_leftover_shm(["psm_ab12", "ident"], shm_dir=str(tmp_path))) == ["ident-x", "psm_ab12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identx", "psm_ab123"]
