@@ -142,9 +142,12 @@ HELD_PREFIXES = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory (v
 def held_shm(root_pid: int | None = None, shm_dir: str = "/dev/shm", proc: str = "/proc") -> list[str]:
     """Names of the multiprocessing segments and semaphores (`HELD_PREFIXES`) in `shm_dir` that process `root_pid`
     (this one by default) and its descendants have mapped: for an engine in a process of its own, the message
-    queues between its engine core and its workers (hundreds of MB each) and their locks. vLLM names them at
-    random and their owners' resource trackers unlink them, but an engine actor killed outright (a crash,
-    `ray.kill`) takes its trackers with it: the engine that replaces it removes them (`stale_shm`)."""
+    queues between its engine core and its workers (hundreds of MB each; vLLM's semaphores are not mapped while
+    it runs). vLLM names them at random and their owners' resource trackers unlink them, but an engine actor
+    killed outright (a crash, `ray.kill`) takes its trackers with it: the engine that replaces it removes them
+    (`stale_shm`). None where the system has no /proc."""
+    if not os.path.isdir(proc):
+        return []
     root = os.getpid() if root_pid is None else root_pid
     children: dict[int, list[int]] = {}
     for entry in os.scandir(proc):
