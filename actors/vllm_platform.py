@@ -139,6 +139,13 @@ def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
 HELD_PREFIXES = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory (vLLM's message queues) and semaphores
 
 
+SEMAPHORE_PREFIX = "sem.mp-"  # Python multiprocessing's named semaphores
+
+
+def semaphores(shm_dir: str = "/dev/shm") -> set[str]:
+    return {n for n in os.listdir(shm_dir) if n.startswith(SEMAPHORE_PREFIX)} if os.path.isdir(shm_dir) else set()
+
+
 def held_shm(root_pid: int | None = None, shm_dir: str = "/dev/shm", proc: str = "/proc") -> list[str]:
     """Names of the multiprocessing segments and semaphores (`HELD_PREFIXES`) in `shm_dir` that process `root_pid`
     (this one by default) and its descendants have mapped: for an engine in a process of its own, the message

@@ -179,3 +179,15 @@ def test_the_segments_a_process_tree_holds_are_named_and_removable(tmp_path):
         (tmp_path / name).touch()
     assert sorted(remove_leftover_shm(["psm_ab12", "ident"], shm_dir=str(tmp_path))) == ["ident-x", "psm_ab12"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["identx", "psm_ab123"]
+
+
+def test_semaphores_made_meanwhile_are_named():
+    """What an engine's start adds to /dev/shm as named semaphores (vLLM's executor makes its workers' lock with a
+    spawn context: a `sem.mp-*` name that no process maps afterwards) is found by the before/after difference."""
+    import multiprocessing
+
+    before = vllm_platform.semaphores()
+    lock = multiprocessing.get_context("spawn").Lock()
+    made = vllm_platform.semaphores() - before
+    assert len(made) == 1 and made.pop().startswith(vllm_platform.SEMAPHORE_PREFIX)
+    del lock
