@@ -36,7 +36,7 @@ class RoleHandle:
     def kill(self) -> None:
         """Kill the actor now. After `ray.shutdown()` it went with the instance: nothing to do (`ray.kill` would
         first start a new local instance, dashboard included, then fail on the old handle: the async main job
-        started a second Ray instance at its end, 5-10 s, for its queue's shards)."""
+        started a second Ray instance at its end for its queue's shards)."""
         import ray
 
         if not ray.is_initialized():

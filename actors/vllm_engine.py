@@ -97,13 +97,13 @@ class VLLMEngine:
         with engine_temp_dir():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
-        # the workers' shared-memory segments, removed on close if a worker could not (killed, crashed); in a
-        # process of its own, also what nobody removes once the engine's actor is killed: the message queues'
-        # segments its processes hold (`held_shm`), and the semaphores made while it started (its executor's
-        # worker lock, mapped by no process afterwards; one an engine starting at the same moment made may be
-        # among them: unlinking a semaphore changes nothing for the processes that opened it)
-        self._shm_prefixes = sorted({p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p}
-                                    | set(held_shm() + sorted(semaphores() - locks_before) if own_process else ()))
+        # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if
+        # the actor is killed: the workers' collectives' and, in a process of its own, the message queues' segments
+        # (`held_shm`) and the semaphores made while it started (docs/faults.md, "Replace")
+        made = {p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p}
+        if own_process:
+            made |= set(held_shm()) | (semaphores() - locks_before)
+        self._shm_prefixes = sorted(made)
         remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with

@@ -136,21 +136,21 @@ def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
-HELD_PREFIXES = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory (vLLM's message queues) and semaphores
-
-
+SEGMENT_PREFIX = "psm_"  # Python multiprocessing's shared memory (vLLM's message queues)
 SEMAPHORE_PREFIX = "sem.mp-"  # Python multiprocessing's named semaphores
+HELD_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX)
 
 
 def semaphores(shm_dir: str = "/dev/shm") -> set[str]:
+    """The named semaphores in `shm_dir` now (compared across an engine's start: what it made)."""
     return {n for n in os.listdir(shm_dir) if n.startswith(SEMAPHORE_PREFIX)} if os.path.isdir(shm_dir) else set()
 
 
 def held_shm(root_pid: int | None = None, shm_dir: str = "/dev/shm", proc: str = "/proc") -> list[str]:
     """Names of the multiprocessing segments and semaphores (`HELD_PREFIXES`) in `shm_dir` that process `root_pid`
     (this one by default) and its descendants have mapped: for an engine in a process of its own, the message
-    queues between its engine core and its workers (hundreds of MB each; vLLM's semaphores are not mapped while
-    it runs). vLLM names them at random and their owners' resource trackers unlink them, but an engine actor
+    queues between its engine core and its workers (sized by vLLM's message-queue settings; its semaphores are not
+    mapped while it runs). vLLM names them at random and their owners' resource trackers unlink them, but an engine actor
     killed outright (a crash, `ray.kill`) takes its trackers with it: the engine that replaces it removes them
     (`stale_shm`). None where the system has no /proc."""
     if not os.path.isdir(proc):
