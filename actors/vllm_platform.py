@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from rlhf.leftovers import remove_dead_process_dirs
+from rlhf.leftovers import remove_dead_process_dirs, temp_dir
 from rlhf.schema import DeviceType, RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -82,16 +82,8 @@ def engine_temp_dir():
     if tempfile.gettempdir() == target:
         yield
         return
-    before_env, before_cached = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = target
-    try:
+    with temp_dir(target):
         yield
-    finally:
-        tempfile.tempdir = before_cached
-        if before_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before_env
 
 
 def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> dict:

@@ -1,11 +1,14 @@
-"""Directories a process keeps under a name that carries its pid, removed by the next process that finds their
-owner gone (killed, crashed): vLLM's socket directories (actors/vllm_platform.py) and the code verifier's
-precompiled headers (rlhf/data/sandbox_cpp.py)."""
+"""What a killed process leaves behind, and where. Directories a process keeps under a name that carries its pid,
+removed by the next process that finds their owner gone (killed, crashed): vLLM's socket directories
+(actors/vllm_platform.py) and the code verifier's precompiled headers (rlhf/data/sandbox_cpp.py). And the temp
+directory pointed elsewhere while a library makes the temp files it removes only at a normal exit (`temp_dir`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -30,3 +33,20 @@ def remove_dead_process_dirs(base: str, prefix: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
+
+
+@contextlib.contextmanager
+def temp_dir(target: str | os.PathLike):
+    """While the block runs, this process's temp directory (`tempfile`'s, and TMPDIR for the processes it starts)
+    is `target`; put back as it was afterwards, also when the block raises."""
+    target = str(target)
+    before_env, before_cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = target
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before_cached
+        if before_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before_env

@@ -42,10 +42,9 @@ class Tracker:
         self._run_dir: Optional[str] = None
         if cfg.mode is TrackingMode.disabled:
             return
-        import wandb  # here, so that a disabled run never pays for (or depends on) wandb
-
         root = Path(cfg.dir).resolve()  # relative to the working directory, like every path in the config
         root.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir if it is missing
+        wandb = _import_wandb(root)
         try:
             self._run = wandb.init(
                 project=cfg.project,
@@ -87,6 +86,19 @@ class Tracker:
     def run_dir(self) -> Optional[str]:
         """The run's folder (`.../wandb/offline-run-*` offline, `run-*` online); None when disabled."""
         return self._run_dir
+
+
+def _import_wandb(root: Path):
+    """wandb, imported here so that a disabled run never pays for (or depends on) it. Its first import makes two
+    temp directories (media and artifact staging, `tmp*wandb-media` and `tmp*wandb-artifacts`) that it removes at
+    a normal exit only: a driver killed with SIGKILL left them in /tmp. Made in the run's tracking directory
+    instead (`root`), they stay with the run's output where a kill leaves them."""
+    if "wandb" not in sys.modules:
+        from rlhf.leftovers import temp_dir
+
+        with temp_dir(root):
+            import wandb  # noqa: F401
+    return sys.modules["wandb"]
 
 
 class Trace:

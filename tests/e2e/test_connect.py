@@ -77,8 +77,10 @@ def test_the_embedded_instance_refuses_callers_without_its_token_and_keeps_the_t
             token = home / ".ray" / "auth_token"
             assert token.exists() and token.stat().st_mode & 0o777 == 0o600
             verdicts = []
+            # a refused caller retries for Ray's connect window (20 s) before it gives up; 2 s say the same
+            budget = {"RAY_gcs_server_port_wait_time_s": "2"}
             for extra in ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, {"RAY_AUTH_MODE": "token"}):
-                r = subprocess.run([sys.executable, "-c", CALLER], cwd=REPO, env={**env, "GCS": gcs, **extra},
+                r = subprocess.run([sys.executable, "-c", CALLER], cwd=REPO, env={**env, "GCS": gcs, **budget, **extra},
                                    capture_output=True, text=True, timeout=120)
                 verdicts.append(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:])
             assert verdicts[0].startswith("REFUSED") and verdicts[1] == "JOINED", verdicts

@@ -127,6 +127,37 @@ def test_api_key_is_never_written_or_printed(offline_run):
     assert FAKE_KEY not in proc.stdout + proc.stderr
 
 
+KILLED_RUN = """
+    import os, signal, sys, tempfile
+    from rlhf.schema import TrackingConfig
+    from rlhf.tracking import Tracker
+
+    tracker = Tracker(TrackingConfig(project="rlhf-test", run_name="killed", dir="out/wandb"), {"seed": 0})
+    tracker.log({"reward/mean": 0.5}, step=0)
+    from wandb.sdk.artifacts.artifact import Artifact
+    from wandb.sdk.data_types._private import MEDIA_TMP
+    print(MEDIA_TMP.name, Artifact._TMP_DIR.name, tempfile.gettempdir(), os.environ["TMPDIR"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the killed-driver test does: no exit handler runs
+"""
+
+
+def test_a_killed_run_leaves_wandbs_temp_directories_with_its_output_not_in_tmp(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _run_python(KILLED_RUN, tmp_path, {"WANDB_API_KEY": FAKE_KEY, "TMPDIR": str(tmp)})
+    assert proc.returncode == -9, proc.stderr
+    media, artifacts, gettempdir, env = proc.stdout.split()
+    root = (tmp_path / "out" / "wandb").resolve()
+    assert Path(media).parent == root and Path(artifacts).parent == root
+    assert gettempdir == env == str(tmp)  # the process's temp directory put back once wandb is imported
+    assert list(tmp.iterdir()) == []  # what wandb made at import is in the run's output: nothing in the temp dir
+
+
+def test_a_finished_run_leaves_no_temp_directory(offline_run):
+    cwd, _, _ = offline_run
+    assert not list((cwd / "out" / "wandb").glob("tmp*wandb-*"))  # removed by wandb at exit
+
+
 def test_wandb_keeps_stdout_clean(offline_run):
     assert offline_run[2].stdout == ""
 
