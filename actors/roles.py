@@ -13,6 +13,7 @@ bundle and a share of it (`rlhf.placement.actor_options`), so co-located roles f
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ class Roles:
     sync_timeout_s: float = 120.0
     start_policy: Optional[Callable[..., tuple]] = None  # every trainer and reference rank on its slot
     engine_shm: list = field(default_factory=list)  # each engine's shared-memory prefixes
+    shm_record: Optional[Path] = None  # where `engine_shm` is kept for the next driver of the run (`record_shm`)
     policy_pids: list = field(default_factory=list)  # the trainer and reference ranks' processes
     engine_pids: list = field(default_factory=list)  # each engine actor's process (chaos.stop_engines)
     hang_timeout_s: float = 0.0  # a generate call not answered within it: the engine hangs (0: timeout_s)
@@ -52,7 +54,10 @@ class Roles:
     inject: Callable[[str], None] = lambda phase: None  # chaos: kills engines as a phase's calls go out
 
     @staticmethod
-    def start(cfg: RunConfig, dm, model_dir: str, sync_layout, log=print, name_prefix: str = "") -> "Roles":
+    def start(cfg: RunConfig, dm, model_dir: str, sync_layout, log=print, name_prefix: str = "",
+              shm_record: Optional[Path] = None) -> "Roles":
+        """`shm_record`: a file in the run's directory listing the engines' shared memory (`record_shm`); one a
+        killed driver left names what its engines' processes left in /dev/shm, and the new engines remove it."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -101,7 +106,11 @@ class Roles:
                          max_concurrency=3 if partial else 1, probe_s=cfg.rollout.liveness_probe_s,
                          **slot("rollout", k * rpe))
 
-        engines = [start_engine(k) for k in range(cfg.rollout.num_engines)]
+        left = recorded_shm(shm_record)
+        if left:  # every engine gets the whole list: each removes what is on its node (the names are unique)
+            log(f"roles: the engines of this run's last driver (killed) left shared memory in /dev/shm "
+                f"({', '.join(left)}); the new engines remove it")
+        engines = [start_engine(k, stale_shm=left) for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())
             rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
@@ -118,6 +127,8 @@ class Roles:
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
+        roles.shm_record = shm_record
+        roles.record_shm()
         roles.hang_timeout_s = cfg.rollout.hang_timeout_s
         roles.join_sync()
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
@@ -194,7 +205,19 @@ class Roles:
                            START_TIMEOUT_S)
         for k, prefixes, pid in zip(dead, replies[::2], replies[1::2]):
             self.engine_shm[k], self.engine_pids[k] = prefixes, pid
+        self.record_shm()
         self.join_sync()
+
+    def record_shm(self) -> None:
+        """The engines' shared-memory names (`engine_shm`) written to `shm_record` (replaced whole): if the
+        driver is killed, its engines' processes go with it and nobody unlinks what they held (for an engine of
+        several workers, its message queues' segments and semaphores, hundreds of MB apparent); the run's next
+        driver reads the list (`recorded_shm`) and its engines remove them. Removed at a clean shutdown."""
+        if self.shm_record is None:
+            return
+        tmp = self.shm_record.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted({n for names in self.engine_shm for n in names})))
+        os.replace(tmp, self.shm_record)
 
     # --- fan-out calls ---
     def all(self, group: Sequence[RoleHandle], method: str, *args, timeout_s: float | None = None,
@@ -331,11 +354,15 @@ class Roles:
     def shutdown(self) -> None:
         import ray
 
+        closed = 0
         for e in self.engines:
             try:
                 e.call("close", timeout_s=SHUTDOWN_GRACE_S + 60)  # outlasts the grace close gives vLLM's processes
+                closed += 1
             except Exception:
                 pass
+        if self.shm_record is not None and closed == len(self.engines):  # each removed its own shared memory
+            self.shm_record.unlink(missing_ok=True)
         for h in self.trainer + self.reference + self.engines + self.rewards:
             try:
                 h.kill()
@@ -343,6 +370,18 @@ class Roles:
                 pass
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
+
+
+def recorded_shm(path: Optional[Path]) -> list[str]:
+    """The shared-memory names a run's last driver recorded for its engines (`Roles.record_shm`), if it left a
+    record: killed before its engines were closed."""
+    if path is None or not path.is_file():
+        return []
+    try:
+        names = json.loads(path.read_text())
+    except ValueError:  # cut short while it was written: nothing to go by
+        return []
+    return [n for n in names if isinstance(n, str) and n and "/" not in n]
 
 
 def dead(group: Sequence[RoleHandle], method: str, probe_s: float = 1.0) -> list[int]:

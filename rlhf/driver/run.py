@@ -45,6 +45,7 @@ from rlhf.tracking import Progress, Trace, Tracker
 from weight_sync.plan import Plan
 
 Log = Callable[[str], None]
+ENGINE_SHM_RECORD = "engine_shm.json"  # the engines' shared memory, for the run's next driver (Roles.record_shm)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class Run(Recovery, ExpertBalancing):
         try:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
-                run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log)
+                run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log,
+                                        shm_record=inputs.out / ENGINE_SHM_RECORD)
             run.roles.recover = run.recover_engines
             run.roles.inject = run._inject
             run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]

@@ -31,6 +31,37 @@ def _overrides(d: Path, out: Path, *extra: str) -> list[str]:
             f"output_dir={out}", f"tracking.dir={out}", f"checkpoint.dir={out / 'ckpt'}", *extra]
 
 
+def _kill_driver_after_checkpoint(args: list[str], run: Path, step: int, log_path: Path) -> list:
+    """`rlhf train` with `args` in a process of its own, killed (SIGKILL) half a second after its checkpoint of
+    `step` is complete; returns the processes it had started, once every one that holds anything is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(REPO / "configs/tiny_cpu.yaml"), *args],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 600
+        while not (run / "ckpt" / f"step_{step:06d}" / "COMPLETE").exists():
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)  # into the next step
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    # Ray's two agents see their raylet gone at once but then spend 60 s failing to report it to the dead GCS
+    # (RAY_DASHBOARD_GCS_RPC_TIMEOUT_SECONDS); they hold no shared memory: the caller waits for them later
+    _, alive = psutil.wait_procs([p for p in family if not p.name().startswith(RAY_AGENTS)], timeout=90)
+    assert not alive, [p.name() for p in alive]
+    return family
+
+
 @pytest.fixture(scope="module")
 def short_run(tiny, ray_session, tmp_path_factory):
     d, _ = tiny
@@ -64,22 +95,32 @@ def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_pa
     """One engine of two TP workers, each a rank of the sync group receiving only its own slices. Killed in step
     2's generation and replaced: its processes' shared memory (the collectives' segments, and the message queues
     between its engine core and workers, which nobody unlinks once the actor is killed) goes when the new engine
-    is up."""
+    is up. Then the driver is killed in step 3, after its step-2 checkpoint: its engine's processes go with it and
+    leave their shared memory, which the driver had recorded in the run's directory; the resumed run's engine
+    removes it."""
     import os
 
     d, _ = tiny
+    args = _overrides(d, tmp_path, "steps=3", "eval_every=100", "rollout.num_engines=1", "rollout.tp=2",
+                      "checkpoint.every_steps=2", "checkpoint.export_hf=false", "rollout.capture_routes=true",
+                      "chaos.kill_engines=[0@2]")
     shm_before = set(os.listdir("/dev/shm"))
-    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
-        d, tmp_path, "steps=3", "eval_every=100", "rollout.num_engines=1", "rollout.tp=2",
-        "checkpoint.export_hf=false", "rollout.capture_routes=true", "chaos.kill_engines=[0@2]"))
-    result = train(cfg)
-    assert result["syncs"] == 3 and result["engine_restarts"] == 1
+    _kill_driver_after_checkpoint(args, tmp_path, 2, tmp_path / "driver.log")
+    killed = {m["step"]: m for m in map(json.loads, (tmp_path / "steps.jsonl").read_text().splitlines())}
+    assert killed[2]["faults/engine_restarts"] == 1 and killed[2]["sync/bytes_received"] > 0
+    left, recorded = set(os.listdir("/dev/shm")) - shm_before, json.loads((tmp_path / "engine_shm.json").read_text())
+    assert left and all(any(n == r or n.startswith(f"{r}-") for r in recorded) for n in left), (left, recorded)
+
+    result = train(load_run_config(REPO / "configs/tiny_cpu.yaml", [*args, "checkpoint.resume=auto"]))
+    assert result["steps_run"] == 1 and result["syncs"] == 1
     assert set(os.listdir("/dev/shm")) <= shm_before  # segments and semaphores alike
+    assert not (tmp_path / "engine_shm.json").exists()  # a clean shutdown: nothing to record
     assert result["route_mismatch_mean"] < 1e-2  # routes captured in a TP-2 engine (its rank 0 worker)
     per_rank, minimal = result["sync_bytes_per_engine_rank"], result["sync_bytes_minimal_per_engine_rank"]
     assert per_rank == minimal and len(per_rank) == 2
     assert max(per_rank) < result["sync_bytes_per_step"]  # no worker receives the whole model
     assert result["parity_mean_abs_diff_max"] < 1e-5 and result["parity_max_abs_diff"] < 2e-2
+    # the killed driver's Ray agents exit on their own within a minute of the kill (waited for in the test below)
 
 
 def test_wandb_trace_checkpoint_and_export_exist(short_run):
@@ -101,10 +142,6 @@ def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run,
     checkpoint's weights (expert placement included): the held-out accuracy at the resume point is the one the
     first run measured at step 8."""
     import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     import psutil
 
@@ -114,24 +151,7 @@ def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run,
     args = _overrides(d, run, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
                       "rollout.capture_routes=true", *BALANCE)
     shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
-    with open(tmp_path / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(REPO / "configs/tiny_cpu.yaml"), *args],
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 600
-        while not (run / "ckpt" / "step_000008" / "COMPLETE").exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
-            time.sleep(0.1)
-        time.sleep(0.5)  # into step 9
-        family = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        proc.kill()
-    # Ray's two agents see their raylet gone at once but then spend 60 s failing to report it to the dead GCS
-    # (RAY_DASHBOARD_GCS_RPC_TIMEOUT_SECONDS); they hold no shared memory, and are waited for after the resume
-    _, alive = psutil.wait_procs([p for p in family if not p.name().startswith(RAY_AGENTS)], timeout=90)
-    assert not alive, [p.name() for p in alive]
+    family = _kill_driver_after_checkpoint(args, run, 8, tmp_path / "driver.log")
     assert set(os.listdir("/dev/shm")) <= shm_before
     assert not [n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("tmp") and n.endswith(
         ("wandb-media", "wandb-artifacts"))]  # wandb's temp directories: in the run's output instead
