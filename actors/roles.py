@@ -108,8 +108,8 @@ class Roles:
 
         left = recorded_shm(shm_record)
         if left:  # every engine gets the whole list: each removes what is on its node (the names are unique)
-            log(f"roles: the engines of this run's last driver (killed) left shared memory in /dev/shm "
-                f"({', '.join(left)}); the new engines remove it")
+            log(f"roles: this run's last driver ended before it closed its engines; the new engines remove what "
+                f"is left of the shared memory it recorded for them ({', '.join(left)})")
         engines = [start_engine(k, stale_shm=left) for k in range(cfg.rollout.num_engines)]
         if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())
