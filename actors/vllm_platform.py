@@ -152,6 +152,27 @@ SEMAPHORE_PREFIX = "sem.mp-"  # Python multiprocessing's named semaphores
 HELD_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX)
 
 
+def clean_up_own_semaphores(names: Sequence[str]) -> set[str]:
+    """For the named semaphores among `names` that this process made (multiprocessing registered their clean-up
+    here, run when their lock dies or at a normal exit), that clean-up run now: unlinked and unregistered from the
+    resource tracker, as a process killed after closing its engine (an engine actor) would never get to. Unlinked
+    by name instead, the clean-up failed later ("Exception ignored in: <Finalize object, dead>", FileNotFoundError:
+    five in a test-suite run). The names done."""
+    from multiprocessing import synchronize, util
+
+    wanted = {"/" + n[len("sem."):]: n for n in names if n.startswith(SEMAPHORE_PREFIX)}
+    done = set()
+    for f in list(getattr(util, "_finalizer_registry", {}).values()):
+        args = getattr(f, "_args", None)
+        if getattr(f, "_callback", None) is synchronize.SemLock._cleanup and args and args[0] in wanted:
+            try:
+                f()
+            except OSError:  # removed meanwhile
+                pass
+            done.add(wanted[args[0]])
+    return done
+
+
 def semaphores(shm_dir: str = "/dev/shm") -> set[str]:
     """The named semaphores in `shm_dir` now (compared across an engine's start: what it made)."""
     return {n for n in os.listdir(shm_dir) if n.startswith(SEMAPHORE_PREFIX)} if os.path.isdir(shm_dir) else set()
