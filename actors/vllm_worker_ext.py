@@ -27,10 +27,12 @@ from typing import Iterable
 import torch
 
 from actors.vllm_install import counts_remembered
+from actors.vllm_platform import no_tqdm_semaphore
 from actors.vllm_sampler import patch_cpu_sampler
 from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
+no_tqdm_semaphore()  # imported in every worker process before it loads the model
 
 
 def _patch_cpu_moe_expert_map() -> None:

@@ -4,11 +4,14 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from actors import vllm_platform
 from actors.vllm_platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remove_leftover_shm
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_socket_dirs_of_dead_processes_go_and_live_ones_stay(tmp_path, monkeypatch):
@@ -181,16 +184,27 @@ def test_the_segments_a_process_tree_holds_are_named_and_removable(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["identx", "psm_ab123"]
 
 
-def test_semaphores_made_meanwhile_are_named():
-    """What an engine's start adds to /dev/shm as named semaphores (vLLM's executor makes its workers' lock with a
-    spawn context: a `sem.mp-*` name that no process maps afterwards) is found by the before/after difference."""
-    import multiprocessing
-
-    before = vllm_platform.semaphores()
-    lock = multiprocessing.get_context("spawn").Lock()
-    made = vllm_platform.semaphores() - before
-    assert len(made) == 1 and made.pop().startswith(vllm_platform.SEMAPHORE_PREFIX)
-    del lock
+def test_tqdm_bars_make_no_named_semaphore_once_told():
+    """vLLM's weight loading shows tqdm bars; tqdm's default lock across processes is a named semaphore that a
+    killed process leaves in /dev/shm (where multiprocessing spawns, as vLLM's processes do). After
+    `no_tqdm_semaphore` a first bar makes none (a fresh process: tqdm makes its lock once per process)."""
+    code = """
+import multiprocessing, os, sys
+multiprocessing.set_start_method("spawn")
+sys.path.insert(0, %r)
+from actors.vllm_platform import SEMAPHORE_PREFIX, no_tqdm_semaphore
+sems = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(SEMAPHORE_PREFIX)}
+before = sems()
+if sys.argv[1] == "told":
+    no_tqdm_semaphore()
+from tqdm import tqdm
+for _ in tqdm(range(2), disable=True):
+    pass
+print(len(sems() - before))
+""" % str(REPO)
+    made = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=60)
+            for how in ("default", "told")}
+    assert [made[h].stdout.strip() for h in ("default", "told")] == ["1", "0"], {h: r.stderr for h, r in made.items()}
 
 
 def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
