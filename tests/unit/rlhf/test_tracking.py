@@ -150,7 +150,9 @@ def test_a_killed_run_leaves_wandbs_temp_directories_with_its_output_not_in_tmp(
     root = (tmp_path / "out" / "wandb").resolve()
     assert Path(media).parent == root and Path(artifacts).parent == root
     assert gettempdir == env == str(tmp)  # the process's temp directory put back once wandb is imported
-    assert list(tmp.iterdir()) == []  # what wandb made at import is in the run's output: nothing in the temp dir
+    # what wandb made at its import is in the run's output; its system monitor's socket (made later by the
+    # wandb-core service, removed by it within seconds of the kill) may still be there
+    assert [p.name for p in tmp.iterdir() if p.name.endswith(("wandb-media", "wandb-artifacts"))] == []
 
 
 def test_a_finished_run_leaves_no_temp_directory(offline_run):
