@@ -211,7 +211,7 @@ class Roles:
     def record_shm(self) -> None:
         """The engines' shared-memory names (`engine_shm`) written to `shm_record` (replaced whole): if the
         driver is killed, its engines' processes go with it and nobody unlinks what they held (for an engine of
-        several workers, its message queues' segments and semaphores, hundreds of MB apparent); the run's next
+        several workers, its message queues' segments); the run's next
         driver reads the list (`recorded_shm`) and its engines remove them. Removed at a clean shutdown."""
         if self.shm_record is None:
             return

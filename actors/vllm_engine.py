@@ -4,6 +4,7 @@ cuda, `vllm-ascend` on npu; all expose `vllm.LLM`, imported lazily in `__init__`
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, clean_up_own_semaphores,
-                                  engine_temp_dir, held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
+from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, held_shm,
+                                  ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
 from actors.vllm_stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
@@ -284,10 +285,9 @@ class VLLMEngine:
             # segments stay in /dev/shm); on a busy machine exiting takes longer
             core.shutdown(timeout=SHUTDOWN_GRACE_S)
         self.llm = None
-        __import__("gc").collect()
-        made = getattr(self, "_shm_prefixes", ())  # semaphores: by their owners' clean-up only (this process's now)
-        clean_up_own_semaphores(made)
-        remove_leftover_shm([n for n in made if not n.startswith(SEMAPHORE_PREFIX)])
+        gc.collect()
+        # never a semaphore by name: a live owner's clean-up would fail later (docs/faults.md, "Replace")
+        remove_leftover_shm([n for n in getattr(self, "_shm_prefixes", ()) if not n.startswith(SEMAPHORE_PREFIX)])
         VLLMEngine._open -= 1
         if not VLLMEngine._open:  # the last engine of this process: its socket files go too
             shutil.rmtree(ipc_dir(), ignore_errors=True)

@@ -91,10 +91,8 @@ def engine_temp_dir():
 def paused_gc():
     """The cyclic garbage collector off while an engine imports vLLM and builds itself (an explicit
     `gc.collect()`, as vLLM's own at the end of its start, still runs); back as it was afterwards. The collector
-    otherwise walks the growing import-time heap again and again (modules, classes, pydantic models: 0.64 M
-    objects after `from vllm import LLM`, nearly all of them kept for the process's life). Measured here: that
-    import 6.4-6.6 s -> 5.0-5.1 s in a fresh process; an engine actor's CPU over a one-step tiny run about 0.6 s
-    less (10.1 against 10.7 s, two runs each)."""
+    otherwise walks the growing import-time heap again and again (modules, classes, pydantic models, nearly all
+    of them kept for the process's life), for nothing."""
     import gc
 
     enabled = gc.isenabled()
@@ -151,27 +149,6 @@ def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:
 SEGMENT_PREFIX = "psm_"  # Python multiprocessing's shared memory (vLLM's message queues)
 SEMAPHORE_PREFIX = "sem.mp-"  # Python multiprocessing's named semaphores
 HELD_PREFIXES = (SEGMENT_PREFIX, SEMAPHORE_PREFIX)
-
-
-def clean_up_own_semaphores(names: Sequence[str]) -> set[str]:
-    """For the named semaphores among `names` that this process made (multiprocessing registered their clean-up
-    here, run when their lock dies or at a normal exit), that clean-up run now: unlinked and unregistered from the
-    resource tracker, as a process killed after closing its engine (an engine actor) would never get to. Unlinked
-    by name instead, the clean-up failed later ("Exception ignored in: <Finalize object, dead>", FileNotFoundError:
-    five in a test-suite run). The names done."""
-    from multiprocessing import synchronize, util
-
-    wanted = {"/" + n[len("sem."):]: n for n in names if n.startswith(SEMAPHORE_PREFIX)}
-    done = set()
-    for f in list(getattr(util, "_finalizer_registry", {}).values()):
-        args = getattr(f, "_args", None)
-        if getattr(f, "_callback", None) is synchronize.SemLock._cleanup and args and args[0] in wanted:
-            try:
-                f()
-            except OSError:  # removed meanwhile
-                pass
-            done.add(wanted[args[0]])
-    return done
 
 
 def no_tqdm_semaphore() -> None:

@@ -227,22 +227,3 @@ def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
         assert not gc.isenabled()  # off before: stays off
     finally:
         gc.enable()
-
-
-def test_own_semaphores_are_cleaned_up_by_their_own_finalizer_once(monkeypatch):
-    import gc
-    import multiprocessing
-
-    from actors.vllm_platform import clean_up_own_semaphores
-
-    lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore of this process, as vLLM's executor makes
-    name = "sem." + lock._semlock.name.lstrip("/")
-    assert os.path.exists(f"/dev/shm/{name}")
-    raised = []
-    monkeypatch.setattr(sys, "unraisablehook", raised.append)
-    assert clean_up_own_semaphores([name, "sem.mp-notours", "psm_x"]) == {name}
-    assert not os.path.exists(f"/dev/shm/{name}")
-    assert lock.acquire(timeout=1) and lock.release() is None  # unlinking leaves the open semaphore working
-    del lock
-    gc.collect()
-    assert raised == []  # its finalizer ran once, now: nothing left to fail when the lock dies
