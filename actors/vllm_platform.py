@@ -88,20 +88,47 @@ def engine_temp_dir():
 
 
 @contextlib.contextmanager
-def paused_gc():
+def paused_gc(freeze: bool = False):
     """The cyclic garbage collector off while an engine imports vLLM and builds itself (an explicit
     `gc.collect()`, as vLLM's own at the end of its start, still runs); back as it was afterwards. The collector
     otherwise walks the growing import-time heap again and again (modules, classes, pydantic models, nearly all
-    of them kept for the process's life), for nothing."""
+    of them kept for the process's life), for nothing.
+
+    `freeze` (a process that is the engine's own, or one of vLLM's workers): what is on the heap when the block
+    starts goes to the collector's permanent generation (`freeze_heap`)."""
     import gc
 
     enabled = gc.isenabled()
     gc.disable()
+    if freeze:
+        freeze_heap()
     try:
         yield
     finally:
         if enabled:
             gc.enable()
+
+
+def freeze_heap() -> None:
+    """Move every object the collector tracks now (once vLLM is imported: its modules, classes and pydantic
+    models) to its permanent generation, which no collection walks. vLLM does the same with the whole heap at the
+    end of its engine core's and its workers' start (`freeze_gc_heap`); done before the start instead, the
+    explicit collections during it (its model loader's two, that freeze's own three) walk only what the start
+    makes. For processes that host nothing but an engine: objects frozen are never collected. `RLHF_FREEZE_HEAP=0`
+    in the environment turns it off (to measure it: `benchmarks/engine_start_bench.py`)."""
+    import gc
+
+    if os.environ.get("RLHF_FREEZE_HEAP", "1") != "0":
+        gc.freeze()
+
+
+def in_vllm_worker() -> bool:
+    """This process is one of the worker processes vLLM's multiprocessing executor starts (`VllmWorker-<rank>`):
+    a process of the engine's own."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None and \
+        multiprocessing.current_process().name.startswith("VllmWorker")
 
 
 def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> dict:

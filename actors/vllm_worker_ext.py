@@ -27,12 +27,14 @@ from typing import Iterable
 import torch
 
 from actors.vllm_install import counts_remembered
-from actors.vllm_platform import no_tqdm_semaphore
+from actors.vllm_platform import freeze_heap, in_vllm_worker, no_tqdm_semaphore
 from actors.vllm_sampler import patch_cpu_sampler
 from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
 no_tqdm_semaphore()  # imported in every worker process before it loads the model
+if in_vllm_worker():  # vLLM imported, the model not loaded yet
+    freeze_heap()
 
 
 def _patch_cpu_moe_expert_map() -> None:

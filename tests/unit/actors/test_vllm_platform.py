@@ -227,3 +227,56 @@ def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
         assert not gc.isenabled()  # off before: stays off
     finally:
         gc.enable()
+
+
+def test_paused_gc_freezes_the_heap_it_finds_when_asked(monkeypatch):
+    """An engine's own process moves its import-time heap to the permanent generation before vLLM starts
+    (`freeze=own_process`): the collections of vLLM's start walk only what the start makes. A process that
+    hosts more than an engine (freeze=False) keeps its heap collectable; RLHF_FREEZE_HEAP=0 turns it off."""
+    import gc
+
+    from actors.vllm_platform import paused_gc
+
+    before = gc.get_freeze_count()  # vLLM's in-process engine core froze this process's heap if one ran here
+    try:
+        with paused_gc():
+            pass
+        assert gc.get_freeze_count() == before
+        monkeypatch.setenv("RLHF_FREEZE_HEAP", "0")
+        with paused_gc(freeze=True):
+            pass
+        assert gc.get_freeze_count() == before
+        monkeypatch.delenv("RLHF_FREEZE_HEAP")
+        with paused_gc(freeze=True):
+            assert gc.get_freeze_count() > before and not gc.isenabled()
+        assert gc.isenabled()
+    finally:
+        if before == 0:
+            gc.unfreeze()
+
+
+def test_only_vllms_worker_processes_count_as_workers(tmp_path):
+    """vLLM's multiprocessing executor names its worker processes `VllmWorker-<rank>`; importing the worker
+    extension freezes the heap there only (the driver and the tests import it too)."""
+    code = """
+import multiprocessing, sys
+sys.path.insert(0, %r)
+from actors.vllm_platform import in_vllm_worker
+
+def child(q):
+    q.put(in_vllm_worker())
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    seen = [in_vllm_worker()]
+    for name in ("VllmWorker-0", "VllmWorker-1", "SomeOtherProcess"):
+        p = ctx.Process(target=child, args=(q,), name=name)
+        p.start()
+        seen.append(q.get(timeout=60))
+        p.join()
+    print(seen)
+""" % str(REPO)
+    (tmp_path / "workers.py").write_text(code)
+    r = subprocess.run([sys.executable, str(tmp_path / "workers.py")], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "[False, True, True, False]", r.stderr
