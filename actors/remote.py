@@ -22,6 +22,28 @@ class RoleError(RuntimeError):
         self.hung = hung  # it did not answer in time
 
 
+def sigkill_if_here(actor) -> bool:
+    """SIGKILL to the actor's process if it is alive on this node, as the GCS knows it (its pid and node: a pid of
+    another node, or of an actor already dead and perhaps reused, is left alone). Ray's state table is a private
+    API: where it is missing or changed, nothing is done (Ray's own kill still follows, 5 s later for a hung
+    process). Whether a signal was sent."""
+    import os
+    import signal
+
+    import ray
+
+    try:
+        from ray._private import state
+
+        info = state.actors(actor._actor_id.hex())
+        if info.get("State") != "ALIVE" or info["Address"]["NodeID"] != ray.get_runtime_context().get_node_id():
+            return False
+        os.kill(int(info["Pid"]), signal.SIGKILL)
+        return True
+    except Exception:
+        return False
+
+
 PROBE_GROUP = "probe"  # the concurrency group of liveness probes: answered while the actor's own calls run
 
 
@@ -33,14 +55,20 @@ class RoleHandle:
     def __init__(self, actor, role: str, rank: int, probe_s: float = 0.0):
         self.actor, self.role, self.rank, self.probe_s = actor, role, rank, probe_s
 
-    def kill(self) -> None:
+    def kill(self, hung: bool = False) -> None:
         """Kill the actor now. After `ray.shutdown()` it went with the instance: nothing to do (`ray.kill` would
         first start a new local instance, dashboard included, then fail on the old handle: the async main job
-        started a second Ray instance at its end for its queue's shards)."""
+        started a second Ray instance at its end for its queue's shards).
+
+        `hung` (its process may answer nothing: stopped, wedged): where it runs on this node it is sent SIGKILL
+        first. Ray's kill asks the process to exit and kills it only `kill_worker_timeout_milliseconds` (5 s) later
+        if it has not: a hung process held its placement slot, and its replacement waited, that much longer."""
         import ray
 
         if not ray.is_initialized():
             return
+        if hung:
+            sigkill_if_here(self.actor)
         ray.kill(self.actor, no_restart=True)
 
     def submit(self, method: str, *args, _num_returns: int = 1, **kwargs):

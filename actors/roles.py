@@ -149,7 +149,7 @@ class Roles:
         and the weight-sync group re-formed. The caller restores a checkpoint."""
         for h in self.trainer + self.reference:
             try:
-                h.kill()
+                h.kill(hung=True)  # one of them may be
             except Exception:
                 pass
         self.trainer, self.reference = self.start_policy(stale_pids=self.policy_pids)
@@ -197,7 +197,7 @@ class Roles:
         weights of the run yet: the caller installs them (`sync_weights`)."""
         for k in dead:
             try:
-                self.engines[k].kill()  # dead already, or stuck: its slot must be free
+                self.engines[k].kill(hung=True)  # dead already, or stuck: its slot must be free
             except Exception:
                 pass
             self.engines[k] = self.start_engine(k, stale_shm=self.engine_shm[k])

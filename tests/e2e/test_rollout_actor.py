@@ -100,6 +100,15 @@ def test_a_failing_rank_is_reported_at_once_while_its_peer_waits(ray_session):
         h.kill()
 
 
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_a_stopped_actor_is_found_hung_by_its_probes_and_a_busy_one_is_not(ray_session):
     """Liveness probes (`spawn(probe_s=...)`): an actor busy in a long call answers them on their own thread,
     so its call runs to the end; one whose process is stopped (SIGSTOP: alive, never answering) fails its call
@@ -136,6 +145,12 @@ def test_a_stopped_actor_is_found_hung_by_its_probes_and_a_busy_one_is_not(ray_s
         assert isinstance(got[0], RoleError) and got[0].hung and got[1] == 5 and time.monotonic() - t0 < 20
         with pytest.raises(RoleError, match="rollout rank 0: work did not answer within 3 s"):  # no probes: the deadline
             call_all([(a, "work", (1,), {})], timeout_s=3)
+        # killed as hung: its process goes at once, not when Ray's kill gives up waiting for it to exit (5 s)
+        a.kill(hung=True)
+        t0 = time.monotonic()
+        while not _gone(pid):
+            assert time.monotonic() - t0 < 2, "a hung actor's process outlived its kill"
+            time.sleep(0.05)
     finally:
         a.kill()
         b.kill()
