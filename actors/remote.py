@@ -114,9 +114,9 @@ def call_all(calls: list[tuple[RoleHandle, str, tuple, dict]], timeout_s: float 
     collective methods (every rank of a group must enter them) never wait on a rank not yet called.
     Results are read as they complete, so the first rank that fails raises RoleError (naming its role
     and rank) at once, not after its peers, stuck in a collective with it, time out. `on_submit` runs
-    once every call is out (fault injection). `probe`: each probed actor (`RoleHandle.probe_s`) with a call
-    still running is probed every `probe_s` seconds, and one that has not answered the previous probe fails
-    its call at once as hung (RoleError.hung), long before the deadline. Only calls to actors already up:
+    once every call is out (fault injection). `probe`: each probed actor (`RoleHandle.probe_s`) is probed as its
+    call goes out and then every `probe_s` seconds while it runs, and one that has not answered the previous
+    probe fails its call at once as hung (RoleError.hung), long before the deadline. Only calls to actors already up:
     an actor still in its constructor answers no probe. `submitted`: the calls' references, sent earlier
     (the deadline counts from now)."""
     return _gather(calls, timeout_s, on_submit, first_error=True, probe=probe, submitted=submitted)
@@ -146,6 +146,8 @@ def _gather(calls, timeout_s: float, on_submit, first_error: bool, probe: bool =
     deadline = time.monotonic() + timeout_s
     probes: dict = {}  # a running call's reference -> (the last probe of its actor, when it was sent)
     every = min([h.probe_s for h, *_ in calls if h.probe_s > 0] or [math.inf]) if probe else math.inf
+    if every < math.inf:  # the first probes go out with the calls: a process already stopped is found in one interval
+        _unanswered_probes(pending, probes, [calls[index[r]][0] for r in pending])
     tick = time.monotonic() + every
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(min(deadline, tick) - time.monotonic(), 0.0))
