@@ -63,6 +63,19 @@ def _kill_driver_after_checkpoint(args: list[str], run: Path, step: int, log_pat
 
 
 @pytest.fixture(scope="module")
+def killed_families():
+    """The processes each killed driver had started. Ray's two agents outlive the kill by up to a minute (they see
+    their raylet gone at once, then spend RAY_DASHBOARD_GCS_RPC_TIMEOUT_SECONDS failing to tell the dead GCS) and
+    hold nothing: once this module's other tests have run, every one of them must be gone on its own (no orphan)."""
+    import psutil
+
+    families: list = []
+    yield families
+    _, alive = psutil.wait_procs([p for family in families for p in family], timeout=90)
+    assert not alive, [p.name() for p in alive]
+
+
+@pytest.fixture(scope="module")
 def short_run(tiny, ray_session, tmp_path_factory):
     d, _ = tiny
     out = tmp_path_factory.mktemp("run")
@@ -91,7 +104,7 @@ def test_reward_rises_and_every_sync_is_exact(short_run):
     assert result["expert_balance_experts_moved"] > 0 and result["expert_balance_bytes_moved"] > 0
 
 
-def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_path):
+def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_path, killed_families):
     """One engine of two TP workers, each a rank of the sync group receiving only its own slices. Killed in step
     2's generation and replaced: its processes' shared memory (the collectives' segments, and the message queues
     between its engine core and workers, which nobody unlinks once the actor is killed) goes when the new engine
@@ -105,7 +118,7 @@ def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_pa
                       "checkpoint.every_steps=2", "checkpoint.export_hf=false", "rollout.capture_routes=true",
                       "chaos.kill_engines=[0@2]")
     shm_before = set(os.listdir("/dev/shm"))
-    _kill_driver_after_checkpoint(args, tmp_path, 2, tmp_path / "driver.log")
+    killed_families.append(_kill_driver_after_checkpoint(args, tmp_path, 2, tmp_path / "driver.log"))
     killed = {m["step"]: m for m in map(json.loads, (tmp_path / "steps.jsonl").read_text().splitlines())}
     assert killed[2]["faults/engine_restarts"] == 1 and killed[2]["sync/bytes_received"] > 0
     left, recorded = set(os.listdir("/dev/shm")) - shm_before, json.loads((tmp_path / "engine_shm.json").read_text())
@@ -120,7 +133,6 @@ def test_engine_of_tp2_in_the_loop_receives_per_worker(tiny, ray_session, tmp_pa
     assert per_rank == minimal and len(per_rank) == 2
     assert max(per_rank) < result["sync_bytes_per_step"]  # no worker receives the whole model
     assert result["parity_mean_abs_diff_max"] < 1e-5 and result["parity_max_abs_diff"] < 2e-2
-    # the killed driver's Ray agents exit on their own within a minute of the kill (waited for in the test below)
 
 
 def test_wandb_trace_checkpoint_and_export_exist(short_run):
@@ -134,7 +146,7 @@ def test_wandb_trace_checkpoint_and_export_exist(short_run):
     assert (out / "ckpt" / f"step_{STEPS:06d}" / "COMPLETE").is_file()
 
 
-def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run, tiny, tmp_path):
+def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run, tiny, tmp_path, killed_families):
     """kill -9 of the driver during step 9, after its step-8 checkpoint: its Ray processes (engines, trainer
     ranks, raylet) and shared memory go with it, wandb's temp directories stay in the run's output, and
     `checkpoint.resume=auto` (started at once) redoes the steps since the checkpoint with every metric of every
@@ -143,23 +155,19 @@ def test_driver_killed_mid_step_resumes_equal_to_an_uninterrupted_run(short_run,
     first run measured at step 8."""
     import os
 
-    import psutil
-
     out, first = short_run
     d, _ = tiny
     run = tmp_path / "killed"
     args = _overrides(d, run, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
                       "rollout.capture_routes=true", *BALANCE)
     shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
-    family = _kill_driver_after_checkpoint(args, run, 8, tmp_path / "driver.log")
+    killed_families.append(_kill_driver_after_checkpoint(args, run, 8, tmp_path / "driver.log"))
     assert set(os.listdir("/dev/shm")) <= shm_before
     assert not [n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("tmp") and n.endswith(
         ("wandb-media", "wandb-artifacts"))]  # wandb's temp directories: in the run's output instead
 
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", [*args, "checkpoint.resume=auto"])
-    result = train(cfg)
-    _, alive = psutil.wait_procs(family, timeout=90)
-    assert not alive, [p.name() for p in alive]  # no orphan: every process the killed driver started is gone
+    result = train(cfg)  # (no orphan: the killed driver's processes are waited for at the module's end)
     assert result["steps_run"] == STEPS - 8
     assert result["heldout_accuracy_start"] == dict(first["heldout_accuracy_history"])[8]
     want = {m["step"]: m for m in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
