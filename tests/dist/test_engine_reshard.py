@@ -91,7 +91,7 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml, sleep=0):
     # the EP engine also records its expert choices (routing replay): logical ids from every EP worker's router
     # own_process: this launcher rank hosts nothing but the engine, as an engine's Ray actor does in the loop, so
     # the engine core runs here (and a tp1 engine's worker too) rather than in processes of its own
-    engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64,
+    engine = VLLMEngine(start_dir, RolloutConfig(tp=engines.tp, ep=engines.ep, cpu_kv_cache_gib=0.25), max_model_len=64,
                         capture_routes=engines.ep > 1, own_process=True)
     try:
         ranks = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
@@ -128,7 +128,8 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml, sleep=0):
     finally:
         engine.close()
     if fresh_dir:  # a freshly started engine on the first sync's weights, for comparison
-        fresh = VLLMEngine(fresh_dir, RolloutConfig(tp=engines.tp, ep=engines.ep), max_model_len=64, own_process=True)
+        fresh = VLLMEngine(fresh_dir, RolloutConfig(tp=engines.tp, ep=engines.ep, cpu_kv_cache_gib=0.25), max_model_len=64,
+                            own_process=True)
         out["fresh"] = torch.tensor(fresh.sequence_logprobs(seqs.tolist()))
         fresh.close()
     return out

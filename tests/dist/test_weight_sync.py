@@ -57,7 +57,8 @@ def worker(rank, src_layout, emap, dst_layout, offset, world, bucket_bytes, flip
 CASES = {
     "disaggregated tp2 -> tp2": (Layout(tp=2), None, InferenceLayout(tp=2), 2, 4),
     "co-located pp2xtp2 -> ep4": (Layout(pp=2, tp=2), None, InferenceLayout(tp=1, ep=4), 0, 4),
-    "ep2 non-contiguous -> 2 engines": (Layout(dp=2, ep=2), [1, 0, 0, 1, 1, 0, 1, 0], InferenceLayout(tp=1, engines=2), 2, 4),
+    "ep2 non-contiguous -> 2 engines": (Layout(dp=2, ep=2), [1, 0, 0, 1, 1, 0, 1, 0], InferenceLayout(tp=1, engines=2),
+                                        2, 4),
     "tp2 -> tp2 x ep4 (dp attention) co-located": (Layout(dp=2, tp=2, ep=2), None, InferenceLayout(tp=2, ep=4), 0, 4),
     # zero_stage=3: each DP rank owns its rows (experts: whole experts per replica) and sends them itself
     "zero3 dp4xep2 -> tp2 co-located": (Layout(dp=4, ep=2), None, InferenceLayout(tp=2), 0, 4, 3),

@@ -26,7 +26,8 @@ def test_engine_actor_generates_and_updates(ray_session, tmp_path):
     m2.init_weights(2, std=0.1)
     save_tokenizer(build_tokenizer(cfg.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
-    engine = spawn(VLLMEngine, "rollout", 0, str(tmp_path), RolloutConfig(max_new_tokens=4), max_model_len=64)
+    engine = spawn(VLLMEngine, "rollout", 0, str(tmp_path), RolloutConfig(max_new_tokens=4, cpu_kv_cache_gib=0.25),
+                   max_model_len=64)
     try:
         prompts = [[1, 5, 6, 14, 7, 17], [1, 9, 14, 9, 17]]
         out = engine.call("generate", prompts, n=3, seed=0, timeout_s=600)

@@ -35,7 +35,7 @@ def engine(tmp_path_factory):
     m = _model(1)
     save_tokenizer(build_tokenizer(m.config.vocab_size), d)
     save_pretrained(m, d)
-    e = VLLMEngine(str(d), RolloutConfig(max_new_tokens=10), max_model_len=64, capture_routes=True)
+    e = VLLMEngine(str(d), RolloutConfig(max_new_tokens=10, cpu_kv_cache_gib=0.25), max_model_len=64, capture_routes=True)
     yield e
     e.close()
 

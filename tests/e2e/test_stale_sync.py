@@ -197,7 +197,7 @@ def test_greedy_generation_interrupted_by_an_install_of_the_same_weights_is_unch
     tok = load_tokenizer(str(d))
     prompts = [tok.encode(f"{a}+{b}=").ids for a in range(8) for b in range(8)]
     weights = sorted(load_file(str(d / "model.safetensors")).items())
-    engine = spawn(VLLMEngine, "rollout", 0, str(d), RolloutConfig(), DeviceType.cpu, max_model_len=128,
+    engine = spawn(VLLMEngine, "rollout", 0, str(d), RolloutConfig(cpu_kv_cache_gib=0.25), DeviceType.cpu, max_model_len=128,
                    interruptible=True, max_concurrency=3, resources={"rlhf_device": 1}, name_prefix="partial-")
     try:
         kw = dict(n=1, temperature=0.0, max_tokens=100, ignore_eos=True)

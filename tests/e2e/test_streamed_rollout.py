@@ -33,7 +33,7 @@ def test_an_engine_streams_the_groups_it_generates_and_a_cancel_stops_it(tiny, r
     tok = load_tokenizer(str(d))
     prompts = [tok.encode(f"{a}+{b}=").ids for a in range(8) for b in range(8)]
     # liveness probes as in a run: the actor then runs its calls on a thread pool (a cancelled task reads its flag)
-    engine = spawn(VLLMEngine, "rollout", 0, str(d), RolloutConfig(max_new_tokens=8), DeviceType.cpu,
+    engine = spawn(VLLMEngine, "rollout", 0, str(d), RolloutConfig(max_new_tokens=8, cpu_kv_cache_gib=0.25), DeviceType.cpu,
                    max_model_len=128, probe_s=10.0, resources={"rlhf_device": 1}, name_prefix="stream-")
     try:
         whole = engine.call("generate", prompts, n=4, seed=11, timeout_s=300)

@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     m1, m2 = _model(1), _model(2)
     save_tokenizer(build_tokenizer(m1.config.vocab_size), d)
     save_pretrained(m1, d)
-    engine = VLLMEngine(str(d), RolloutConfig(), max_model_len=64)
+    engine = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25), max_model_len=64)
     g = torch.Generator().manual_seed(0)
     seqs = torch.randint(3, m1.config.vocab_size, (12, 16), generator=g)
     seqs[:, 0] = 1
@@ -178,7 +178,7 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
     save_pretrained(m1, tmp_path)
     shm_before = set(os.listdir("/dev/shm"))
     sockets_before, stores_before = _sockets(tempfile.gettempdir()), _stores(tempfile.gettempdir())
-    engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2), max_model_len=64)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(tp=2, cpu_kv_cache_gib=0.25), max_model_len=64)
     try:
         _check_tp2(engine, m1, m2)
         # vLLM's ZeroMQ socket files (never unlinked by vLLM) are bound in this process's own directory, and its
@@ -248,7 +248,7 @@ def test_prefix_cached_prompt_follows_an_update(tmp_path):
     m2.init_weights(2, std=0.1)
     save_tokenizer(build_tokenizer(long_cfg.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
-    engine = VLLMEngine(str(tmp_path), RolloutConfig(), max_model_len=512)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(cpu_kv_cache_gib=0.25), max_model_len=512)
     try:
         g = torch.Generator().manual_seed(3)
         prompt = [1] + torch.randint(3, long_cfg.vocab_size, (299,), generator=g).tolist()
@@ -278,7 +278,7 @@ def test_mla_engine_serves_the_trainer_model_and_updates_exactly(tmp_path):
     m1, m2 = _pangu(1), _pangu(2)
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
     save_pretrained(m1, tmp_path)
-    engine = VLLMEngine(str(tmp_path), RolloutConfig(), max_model_len=64)
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(cpu_kv_cache_gib=0.25), max_model_len=64)
     try:
         seqs = torch.randint(3, m1.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
         seqs[:, 0] = 1
