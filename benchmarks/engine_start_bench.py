@@ -70,10 +70,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return _child(args.child, int(args.tp))
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1 start of each side")
+    try:
+        degrees = [int(t) for t in args.tp.split(",")]
+    except ValueError:
+        ap.error(f"--tp {args.tp!r}: TP degrees as whole numbers, comma-separated (e.g. 1,2)")
     result = {}
     with tempfile.TemporaryDirectory() as d:
         _write_model(d)
-        for tp in map(int, args.tp.split(",")):
+        for tp in degrees:
             runs = {"frozen": [], "unfrozen": []}
             for i in range(args.rounds):
                 for side in (("frozen", "unfrozen") if i % 2 == 0 else ("unfrozen", "frozen")):

@@ -229,13 +229,13 @@ def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
         gc.enable()
 
 
-def test_paused_gc_freezes_the_heap_it_finds_when_asked(monkeypatch):
-    """An engine's own process moves its import-time heap to the permanent generation before vLLM starts
-    (`freeze=own_process`): the collections of vLLM's start walk only what the start makes. A process that
-    hosts more than an engine (freeze=False) keeps its heap collectable; RLHF_FREEZE_HEAP=0 turns it off."""
+def test_freeze_heap_freezes_unless_turned_off(monkeypatch):
+    """An engine's own process moves its import-time heap to the permanent generation before vLLM starts: the
+    collections of vLLM's start walk only what the start makes. Pausing the collector alone freezes nothing (a
+    process that hosts more than an engine keeps its heap collectable); RLHF_FREEZE_HEAP=0 turns it off."""
     import gc
 
-    from actors.vllm_platform import paused_gc
+    from actors.vllm_platform import freeze_heap, paused_gc
 
     before = gc.get_freeze_count()  # vLLM's in-process engine core froze this process's heap if one ran here
     try:
@@ -243,11 +243,15 @@ def test_paused_gc_freezes_the_heap_it_finds_when_asked(monkeypatch):
             pass
         assert gc.get_freeze_count() == before
         monkeypatch.setenv("RLHF_FREEZE_HEAP", "0")
-        with paused_gc(freeze=True):
-            pass
+        freeze_heap()
+        assert gc.get_freeze_count() == before
+        monkeypatch.setenv("RLHF_FREEZE_HEAP", "false")
+        with pytest.raises(ValueError, match=r"RLHF_FREEZE_HEAP='false': use 1 .* or 0"):
+            freeze_heap()
         assert gc.get_freeze_count() == before
         monkeypatch.delenv("RLHF_FREEZE_HEAP")
-        with paused_gc(freeze=True):
+        with paused_gc():
+            freeze_heap()
             assert gc.get_freeze_count() > before and not gc.isenabled()
         assert gc.isenabled()
     finally:
