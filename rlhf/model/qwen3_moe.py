@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.layers import RMSNorm, attention, autocast_dtype, full_precision_linear, inverse_permutation, permute_rows
+from rlhf.model.experts import grouped_mm_supported, grouped_swiglu, looped_swiglu
+from rlhf.model.layers import RMSNorm, attention, autocast_dtype, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -184,33 +185,24 @@ class Experts(nn.Module):
         return (y_Rk.view(-1, k, x_SH.shape[1]) * weights_Sk[..., None]).sum(1)
 
     def forward_rows(self, x_RH: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
-        """SwiGLU expert `expert_R[r]` (an index into this module's stack) applied to row r."""
-        order = torch.argsort(expert_R, stable=True)
-        counts = torch.bincount(expert_R, minlength=self.gate_up_proj.shape[0]).tolist()
-        # Views per expert from one unbind of each stack and one split of the sorted rows: indexing or
-        # slicing them once per expert would make each expert's backward write a zero gradient the size of
-        # the whole stack (or of all rows) and add it up, E times per layer.
-        inverse = inverse_permutation(order)
-        rows = permute_rows(x_RH, order, inverse).split(counts)
-        gate_up, down = self.gate_up_proj, self.down_proj
-        dtype = autocast_dtype(x_RH.device.type)
-        if dtype is not None:  # one cast of each stack per forward, not one per expert and call
-            gate_up, down = gate_up.to(dtype), down.to(dtype)
-        gate_up, down = gate_up.unbind(0), down.unbind(0)
-        multiple = EXPERT_ROWS_MULTIPLE if dtype is not None and x_RH.device.type == "cpu" else 1
-        ys = []
-        for e, n in enumerate(counts):
-            if n:
-                r = rows[e] if n % multiple == 0 else F.pad(rows[e], (0, 0, 0, multiple - n % multiple))
-                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, down[e])
-                ys.append(y if y.shape[0] == n else y[:n])  # zero rows in, their outputs dropped: no gradient
-        if not ys:
+        """SwiGLU expert `expert_R[r]` (an index into this module's stack) applied to row r: grouped multiplies over
+        the whole stack where torch has them for the device and compute dtype, else a loop over experts
+        (`rlhf.model.experts`)."""
+        if x_RH.shape[0] == 0:
             # No row for these experts (expert parallelism can send a rank none): zeros still tied to the input
             # and the weights, so the backward reaches the all-to-all that brought the rows and every rank of
             # the EP group joins it (with zeros from x_RH.new_zeros the rank skipped it and its peers hung).
             return x_RH * 0 + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
-        return permute_rows(torch.cat(ys), inverse, order)
+        device = x_RH.device.type
+        gate_up, down = self.gate_up_proj, self.down_proj
+        dtype = autocast_dtype(device)
+        if dtype is not None:  # one cast of each stack per forward, not one per expert and call
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
+        if grouped_mm_supported(device, gate_up.dtype):
+            with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already
+                return grouped_swiglu(x_RH, expert_R, gate_up, down, multiple)
+        return looped_swiglu(x_RH, expert_R, gate_up, down, multiple)
 
 
 class SparseMoE(nn.Module):

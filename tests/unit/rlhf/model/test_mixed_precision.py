@@ -121,29 +121,30 @@ def test_short_bf16_training_attention_takes_the_math_path_and_agrees_with_flash
 
 
 def test_bf16_expert_rows_padded_on_cpu_give_the_same_values_and_gradients(monkeypatch):
-    """`EXPERT_ROWS_MULTIPLE`: under bf16 autocast on cpu every expert matmul sees a multiple of it in rows (zero rows
-    appended, their outputs dropped); outputs and gradients as without the padding, within bf16 rounding of
-    the weight gradients' sums (the rows are the reduction there). fp32 is not padded."""
+    """`EXPERT_ROWS_MULTIPLE`: under bf16 autocast on cpu every expert's group of rows in the grouped multiply is a
+    multiple of it (zero rows appended, their outputs dropped); outputs and gradients as without the padding, within
+    bf16 rounding of the weight gradients' sums (the rows are the reduction there). fp32 is not padded."""
     import rlhf.model.qwen3_moe as q
 
     experts, x, chosen = experts_and_rows(2, 150)
-    rows, linear = [], torch.nn.functional.linear
+    groups, grouped_mm = [], torch._grouped_mm
 
-    def spy(inp, w, b=None):
-        rows.append(inp.shape[0])
-        return linear(inp, w, b)
+    def spy(a, b, offs=None, **kw):
+        groups.append(torch.diff(offs, prepend=offs.new_zeros(1)).tolist())
+        return grouped_mm(a, b, offs=offs, **kw)
 
     def run(multiple, autocast=True):
         monkeypatch.setattr(q, "EXPERT_ROWS_MULTIPLE", multiple)
-        rows.clear()
+        groups.clear()
         experts.zero_grad()
         xx = x.clone().requires_grad_()
         with torch.autocast(**BF16, enabled=autocast):
             y = experts.forward_rows(xx, chosen)
         y.float().square().sum().backward()
-        return [y.float(), xx.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()], list(rows)
+        return [y.float(), xx.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()], \
+            [n for g in groups for n in g]
 
-    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
     padded, padded_rows = run(64)
     plain, plain_rows = run(1)
     assert padded_rows and all(n % 64 == 0 for n in padded_rows) and any(n % 64 for n in plain_rows)
