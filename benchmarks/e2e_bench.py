@@ -8,7 +8,9 @@ vocabulary, with the tiny task's prompt files; our own code, once per shape unde
 runs `rlhf.driver.train` with `--warmup` + `--steps` steps and a sampler of the whole process tree's
 memory. The last line is one JSON object: `tokens_per_second` (generated tokens over the measured
 steps' seconds, the run's final held-out evaluation left out), `seconds_per_step`, seconds per phase,
-`sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it used before the run, free pages in
+the update's and generation's floors and each phase over its floor (`update_floor_seconds`,
+`update_over_floor`, `generate_floor_seconds`, `generate_over_floor`: benchmarks/floors.py, at the rates measured
+here before the run, under `machine`), `sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it used before the run, free pages in
 the kernel's per-CPU lists not counted; `peak_memory_gib_psutil` counts them, as `free` does) and per role
 (resident memory by process title).
 """
@@ -161,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.steps
     cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
     build_policy(cfg)
+    import torch
+
+    from benchmarks.floors import machine_rates, phase_floors
+
+    # this machine's rates, measured before the run with nothing else running: the phases' floors
+    rates = machine_rates(getattr(torch, (cfg.trainer.compute_dtype or cfg.model.dtype).value))
     keep_previous(cfg.output_dir)  # a fresh run: no earlier steps or checkpoints in its way
     gib = 1 << 30
     with MemorySampler(timeline=args.memory_timeline) as mem:
@@ -170,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = (Path(cfg.output_dir) / "steps.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines][args.warmup:]  # this run's steps
     seconds, tokens, phases = measured(steps)
+    trained = sum(s["throughput/step_tokens_per_s"] * s["time/step"] for s in steps) / len(steps)
+    decode_steps = sum(s["response/length_max"] for s in steps) / len(steps)
+    floors = phase_floors(cfg, rates, phases["update"], phases["generate"], trained, decode_steps)
     out = {"config": args.config, "overrides": args.overrides, "warmup": args.warmup, "steps": len(steps),
            "tokens_per_second": round(tokens / seconds, 1), "seconds_per_step": round(seconds / len(steps), 2),
            "generated_tokens_per_step": tokens / len(steps),
            "phase_seconds": {k: round(v, 3) for k, v in sorted(phases.items())},
+           **floors, "machine": {k: round(v, 3) for k, v in rates.items()},
            "sync_bytes_per_step": result["sync_bytes_per_step"], "sync_share": result["sync_share"],
            "peak_memory_gib": round((mem.peak_used - mem.idle) / gib, 2),
            "peak_memory_gib_psutil": round((mem.peak_used_raw - mem.idle_raw) / gib, 2),

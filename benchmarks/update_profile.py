@@ -4,6 +4,7 @@
     python -m benchmarks.update_profile --ranks 2      # dp2 x ep2 over two gloo processes, 64 samples
     python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --no-profile   # mixed precision
     python -m benchmarks.update_profile --compute-dtype bfloat16 --profile-memory        # ops by memory allocated
+    python -m benchmarks.update_profile --ranks 1 --threads 2 --samples-per-rank 64      # one rank of two threads
     python -m benchmarks.update_profile --memory-categories --micro-batch-tokens 1024     # tensors at the peak, by kind
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
            profile_memory: bool = False, memory_categories: bool = False,
-           expert_rows_multiple: int | None = None) -> dict:
+           expert_rows_multiple: int | None = None, threads: int = 1) -> dict:
     import torch
 
     if expert_rows_multiple is not None:  # the bf16 experts' row padding on cpu (1: none)
@@ -43,7 +44,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     from rlhf.parallel.trainer import ParallelTrainer
     from rlhf.schema import AlgorithmConfig, DType, TrainerConfig
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     cfg = load_model_config(model_yaml)
     g = torch.Generator().manual_seed(0)
     B = samples_per_rank * ranks
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
                         help="trainer.compute_dtype (default: the model's dtype)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer.micro_batch_tokens")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (a trainer rank has 1 on cpu; --ranks 1 --threads 2 "
+                             "--samples-per-rank 64 is the two-rank update on one rank of two threads)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
     parser.add_argument("--profile-memory", action="store_true",
                         help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--expert-rows-multiple {args.expert_rows_multiple}: give 1 (no padding) or more, e.g. 64")
     if args.memory_categories and args.ranks != 1:  # torch's memory profiler fails on the collectives' outputs
         parser.error("--memory-categories profiles one rank: give --ranks 1 (it holds every expert)")
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: give 1 or more")
     if args.micro_batch_tokens < 1:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
 
@@ -149,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         save_pretrained(model, model_dir)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
-                        args.profile_memory, args.memory_categories, args.expert_rows_multiple, timeout_s=1800)
+                        args.profile_memory, args.memory_categories, args.expert_rows_multiple, args.threads,
+                        timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
-                      "expert_rows_multiple": args.expert_rows_multiple,
+                      "expert_rows_multiple": args.expert_rows_multiple, "threads": args.threads,
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}
                      | ({"tensor_peak_gb": {r: res["tensor_peak_gb"] for r, res in enumerate(results)}}

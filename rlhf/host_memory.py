@@ -114,14 +114,17 @@ def trim_heap(at_least: int = 64 << 20) -> bool:
     return bool(trim(0))
 
 
-ONEDNN_CACHE_CAPACITY = 8  # oneDNN primitives a trainer process keeps (oneDNN's own default: 1,024)
+ONEDNN_CACHE_CAPACITY = 256  # oneDNN primitives a trainer process keeps (oneDNN's own default: 1,024)
 
 
 def small_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Cap oneDNN's primitive cache at `capacity` unless the environment already sets it
     (ONEDNN_PRIMITIVE_CACHE_CAPACITY, read when the process makes its first primitive: call this before any
-    matmul). On cpu torch runs bf16 matmuls through oneDNN, and an MoE trainer's expert matmuls take a new shape
-    for nearly every expert and micro-batch (the rows routed to it): with the default 1,024 cached primitives and
-    what they hold, each rank of the small run's bf16 update held 0.6 GiB more at its peak, and its step was no
-    faster (docs/throughput.md). fp32 matmuls go to BLAS, untouched."""
+    matmul). On cpu torch runs bf16 matmuls through oneDNN, which builds a primitive per shape: an update makes
+    one for each micro-batch's token count in every projection, forward and backward, and one per expert group
+    size (padded to `EXPERT_ROWS_MULTIPLE`), about a hundred to two hundred in all. A cap below that misses on
+    every call and rebuilds each primitive (about 2 ms, against 0.2-1 ms for the matmul); a cap far above it lets
+    the shapes of later steps' micro-batches pile up. fp32 matmuls go to BLAS, untouched. Measured with
+    `python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --micro-batch-tokens 1024` and
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY set: docs/throughput.md."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.model.layers import autocast_dtype
+from rlhf.model.layers import autocast_dtype, cast_once
 
 CHUNK_TOKENS = 1024  # tokens per matmul
 # an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
@@ -34,7 +34,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int, compute: torch.dtype):
         N = hidden_NH.shape[0]
-        w_VH = weight_VH.to(compute)  # the matmuls' operands in `compute`; logits, softmax and sums in fp32
+        w_VH = cast_once(weight_VH, compute)  # the matmuls' operands in `compute`; logits, softmax and sums in fp32
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         keep = any(ctx.needs_input_grad[:2]) and N * w_VH.shape[0] * w_VH.element_size() <= KEEP_LOGITS_BYTES
@@ -104,7 +104,7 @@ def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT:
     """(logp, entropy) [B, T] in fp32: log softmax(h W^T / temperature)[target] and the entropy of that
     distribution, for every position of `hidden_BTH` (with `targets_BT` its next tokens). Under autocast
     (`trainer.compute_dtype`) the two matmuls of forward and backward take its dtype, the weight cast once
-    per call; the rest, and the weight's gradient summed over the chunks, stays in fp32."""
+    per call (per step inside `casts_kept`); the rest, and the weight's gradient summed over the chunks, stays in fp32."""
     B, T, H = hidden_BTH.shape
     device_type = hidden_BTH.device.type
     compute = autocast_dtype(device_type) or weight_VH.dtype

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +27,51 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype matmuls compute in under an enabled `torch.autocast` for this device type, or None (the
     trainer's `trainer.compute_dtype`: fp32 parameters, bf16 matmuls)."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+_kept = threading.local()  # .casts: {(id, dtype): (parameter, its version, the cast)} while `casts_kept` is open
+
+
+@contextmanager
+def casts_kept(device_type: str, dtype: torch.dtype | None):
+    """One optimizer step's (or one logprob pass's) mixed precision: autocast to `dtype` entered once around all
+    its micro-batches, so that each parameter is cast to the compute dtype once, at its first use, and that copy
+    serves every micro-batch (autocast's own cache for the ops it casts, `cast_once` for the casts the model makes
+    itself), instead of every weight cast again in every micro-batch's forward. Backward passes inside go under
+    `autocast_off`. The copies are dropped when the scope closes, before the optimizer changes the parameters.
+    `dtype` None: no autocast, nothing kept."""
+    if dtype is None:
+        yield
+        return
+    outer = getattr(_kept, "casts", None) is None
+    if outer:
+        _kept.casts = {}
+    try:
+        with torch.autocast(device_type, dtype):
+            yield
+    finally:
+        if outer:
+            _kept.casts = None
+
+
+def autocast_off(device_type: str):
+    """A backward inside `casts_kept`: its ops in the dtypes the forward chose, as outside autocast (autocast's
+    cache lives on while a nested context has it off)."""
+    return torch.autocast(device_type, enabled=False)
+
+
+def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`; inside `casts_kept`, a parameter (a leaf) is cast once and the same copy (with its autograd
+    node: gradients reach the parameter through it from every micro-batch) handed out again until the scope
+    closes or the parameter changes."""
+    casts = getattr(_kept, "casts", None)
+    if t.dtype == dtype or casts is None or not t.is_leaf:
+        return t.to(dtype)
+    key = (id(t), dtype, torch.is_grad_enabled())  # a copy made without autograd serves no backward
+    hit = casts.get(key)
+    if hit is None or hit[0] is not t or hit[1] != t._version:
+        hit = casts[key] = (t, t._version, t.to(dtype))
+    return hit[2]
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -29,7 +29,7 @@ from torch import nn
 
 from rlhf.model.head import head_logprobs
 from rlhf.model.experts import grouped_mm_supported, grouped_swiglu, looped_swiglu
-from rlhf.model.layers import RMSNorm, attention, autocast_dtype, full_precision_linear
+from rlhf.model.layers import RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -196,8 +196,8 @@ class Experts(nn.Module):
         device = x_RH.device.type
         gate_up, down = self.gate_up_proj, self.down_proj
         dtype = autocast_dtype(device)
-        if dtype is not None:  # one cast of each stack per forward, not one per expert and call
-            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        if dtype is not None:  # one cast of each stack per step (`casts_kept`), not one per expert and call
+            gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
         multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
         if grouped_mm_supported(device, gate_up.dtype):
             with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf.model.layers import autocast_off
 from rlhf.parallel.comm import LayoutGroups
 
 
@@ -93,10 +94,11 @@ class PipelineRunner:
         def backward_step(i: int) -> None:
             y = outputs[i]
             if self.last:
-                y.backward()
+                g = None
             else:
                 g = torch.empty_like(y)
                 dist.recv(g, src=self.next)
+            with autocast_off(y.device.type):  # the trainer's step may hold autocast open (`casts_kept`)
                 y.backward(g)
             if not self.first:
                 self._send(inputs[i].grad, self.prev)

@@ -25,6 +25,7 @@ from rlhf.host_memory import trim_heap
 from rlhf.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
+from rlhf.model.layers import autocast_off, casts_kept
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.model.sharding import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, all_reduce_bucketed, bounded, build_groups
@@ -128,10 +129,19 @@ class ParallelTrainer:
     def is_last_stage(self) -> bool:
         return self.stage == self.layout.pp - 1
 
+    def _compute_dtype(self) -> torch.dtype | None:
+        """trainer.compute_dtype where it differs from the model's (the matmuls under autocast), else None."""
+        dt = self.tcfg.compute_dtype or self.cfg.dtype
+        return None if dt is self.cfg.dtype else getattr(torch, dt.value)
+
     def _compute(self):
         """Autocast to trainer.compute_dtype if it differs from the model's (backward follows the forward's dtypes)."""
-        dt = self.tcfg.compute_dtype or self.cfg.dtype
-        return nullcontext() if dt is self.cfg.dtype else torch.autocast(self.device.type, getattr(torch, dt.value))
+        dtype = self._compute_dtype()
+        return nullcontext() if dtype is None else torch.autocast(self.device.type, dtype)
+
+    def _casts_kept(self):
+        """Over a step's micro-batches: each weight cast to the compute dtype once (`rlhf.model.layers.casts_kept`)."""
+        return casts_kept(self.device.type, self._compute_dtype())
 
     def _hidden(self, mb: MicroBatch) -> torch.Tensor:
         with self._compute():
@@ -216,7 +226,7 @@ class ParallelTrainer:
         self.model.eval()
         score = self._score(temperature)
         micro_batches = self._routed(micro_batches, first=True)
-        with self._bounded("logprob forward"):
+        with self._bounded("logprob forward"), self._casts_kept():
             if self.pipeline is not None:
                 out = self.pipeline.forward_only(micro_batches, score)
             else:
@@ -237,7 +247,8 @@ class ParallelTrainer:
         for block in self._moe_blocks():
             block.step_tokens_per_expert = None
         self.grads.zero(self.optimizer.buckets)
-        with self._bounded("forward and backward (expert all-to-all, tensor-parallel and pipeline exchanges)"):
+        with self._bounded("forward and backward (expert all-to-all, tensor-parallel and pipeline exchanges)"), \
+                self._casts_kept():
             if self.pipeline is not None:
                 losses = self.pipeline.train(micro_batches, loss_fn, score)
             else:
@@ -245,7 +256,8 @@ class ParallelTrainer:
                 for mb in micro_batches:
                     logp, ent = score(self._hidden(mb), mb.input_ids_BT)
                     loss = loss_fn(logp, ent, mb)
-                    loss.backward()
+                    with autocast_off(self.device.type):
+                        loss.backward()
                     losses.append(loss.detach())
             if first:
                 self._after_first_forward(micro_batches)

@@ -153,3 +153,64 @@ def test_bf16_expert_rows_padded_on_cpu_give_the_same_values_and_gradients(monke
         assert torch.allclose(a, b, rtol=1e-2, atol=1e-4), (a - b).abs().max()
     _, fp32_rows = run(64, autocast=False)
     assert fp32_rows == plain_rows  # fp32 goes to BLAS: no padding
+
+
+def test_a_steps_casts_kept_give_the_same_gradients_as_casting_every_micro_batch():
+    """`casts_kept` around a step's micro-batches (autocast entered once, backward under `autocast_off`): each weight
+    is cast once for the step and the gradients are bit for bit those of autocast entered for each forward."""
+    from rlhf.model.layers import autocast_off, casts_kept
+
+    model = Qwen3MoeForCausalLM(QWEN)
+    model.init_weights(seed=5, std=0.05)
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randint(3, QWEN.vocab_size, (2, 9), generator=g) for _ in range(3)]
+
+    def loss(ids):
+        lp, ent = model.lm_head(model.hidden_states(ids)[:, :-1], ids[:, 1:], 1.0)
+        return -(lp.sum() + 0.1 * ent.sum())
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return out
+
+    for ids in batches:
+        with torch.autocast(**BF16):
+            l = loss(ids)
+        l.backward()
+    each = grads()
+    casts = []
+    to = torch.Tensor.to
+    torch.Tensor.to = lambda self, *a, **k: casts.append(self.shape) or to(self, *a, **k)
+    try:
+        with casts_kept("cpu", torch.bfloat16):
+            for ids in batches:
+                l = loss(ids)
+                with autocast_off("cpu"):
+                    l.backward()
+    finally:
+        torch.Tensor.to = to
+    once = grads()
+    assert each.keys() == once.keys()
+    assert all(torch.equal(each[n], once[n]) for n in each), [n for n in each if not torch.equal(each[n], once[n])]
+    stacks = [s for s in casts if s == model.model.layers[1].mlp.experts.gate_up_proj.shape]
+    assert len(stacks) == QWEN.num_hidden_layers - QWEN.first_k_dense_layers  # once per layer, not per micro-batch
+
+
+def test_cast_once_hands_out_one_copy_until_the_scope_closes_or_the_parameter_changes():
+    from rlhf.model.layers import cast_once, casts_kept
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    assert cast_once(p, torch.bfloat16) is not cast_once(p, torch.bfloat16)  # no scope: a cast per call
+    with casts_kept("cpu", torch.bfloat16):
+        a = cast_once(p, torch.bfloat16)
+        assert cast_once(p, torch.bfloat16) is a and cast_once(p, torch.float32) is p
+        (a.float().sum() + cast_once(p, torch.bfloat16).float().sum()).backward()
+        assert torch.equal(p.grad, torch.full_like(p, 2.0))  # both uses reach the parameter
+        with torch.no_grad():
+            p.add_(1.0)
+        b = cast_once(p, torch.bfloat16)
+        assert b is not a and torch.equal(b, (p + 0).bfloat16())
+    assert cast_once(p, torch.bfloat16) is not b
+    with casts_kept("cpu", None):  # fp32 compute: no autocast, nothing kept
+        assert not torch.is_autocast_enabled("cpu") and cast_once(p, torch.bfloat16) is not cast_once(p, torch.bfloat16)
