@@ -19,12 +19,15 @@ from rlhf.driver.calibrate import matmul_tflops, memory_gbytes_per_s
 from rlhf.schema import ModelConfig
 from rlhf.sim.workload import model_cost
 
-def machine_rates(dtype: torch.dtype, threads: int = 1) -> dict[str, float]:
+def machine_rates(dtype: torch.dtype, threads: int = 1, tries: int = 3) -> dict[str, float]:
     """This machine's matmul rate in `dtype` and its memory bandwidth on `threads` threads (`rlhf calibrate`'s
-    probes: the median over model-like matmul shapes; a copy's bytes read and written), in this process."""
+    probes: the median over model-like matmul shapes; a copy's bytes read and written), the best of `tries`: a
+    floor is what the machine can do, and one probe here has read 0.45 and 1.14 TFLOP/s on the same machine within
+    the hour, the lower one while the last run's processes were still going down."""
     before = torch.get_num_threads()
     try:
-        return {"matmul_tflops": matmul_tflops(dtype, threads), "memory_gb_per_s": memory_gbytes_per_s(threads)}
+        return {"matmul_tflops": max(matmul_tflops(dtype, threads) for _ in range(tries)),
+                "memory_gb_per_s": max(memory_gbytes_per_s(threads) for _ in range(tries))}
     finally:
         torch.set_num_threads(before)
 

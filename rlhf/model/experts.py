@@ -33,6 +33,15 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cuda" and dtype is torch.bfloat16
 
 
+def grouped_mm_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the stacks meet `torch._grouped_mm`'s layout rules: every operand's strides (rows of H and of I
+    elements) a multiple of 16 bytes and the stacks' data 16-byte aligned (cuda's kernels load by 16 bytes; torch
+    refuses other strides on cpu too). A model whose hidden or expert size breaks them takes the loop."""
+    size = gate_up.element_size()
+    H, I = down.shape[1], down.shape[2]
+    return (H * size) % 16 == 0 and (I * size) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (gate_up, down))
+
+
 @dataclass(frozen=True)
 class GroupedRows:
     """Where each row goes once the rows are grouped by expert: `dest_R` its row in the grouped buffer of `rows`

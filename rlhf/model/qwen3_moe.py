@@ -28,16 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf.model.head import head_logprobs
-from rlhf.model.experts import grouped_mm_supported, grouped_swiglu, looped_swiglu
+from rlhf.model.experts import grouped_mm_fits, grouped_mm_supported, grouped_swiglu, looped_swiglu
 from rlhf.model.layers import RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
 
-# bf16 under autocast on cpu: each expert's rows are padded with zero rows to a multiple of this. oneDNN runs those
-# matmuls and builds a primitive per shape (its cache holds 8 in a trainer, rlhf.host_memory); with the row counts
-# routing gives, nearly every expert and micro-batch made a new one, and their buffers fragmented the heap. Padded,
-# each rank of the small run's bf16 update peaks 0.3 GB lower, no slower (docs/throughput.md, item 27).
+# bf16 under autocast on cpu: each expert's group of rows is padded with zero rows to a multiple of this. oneDNN runs
+# those matmuls and builds a primitive per shape (rlhf.host_memory.small_onednn_cache); with the row counts routing
+# gives, nearly every expert and micro-batch would make a new one.
 EXPERT_ROWS_MULTIPLE = 64
 
 
@@ -199,7 +198,7 @@ class Experts(nn.Module):
         if dtype is not None:  # one cast of each stack per step (`casts_kept`), not one per expert and call
             gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
         multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
-        if grouped_mm_supported(device, gate_up.dtype):
+        if grouped_mm_supported(device, gate_up.dtype) and grouped_mm_fits(gate_up, down):
             with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already
                 return grouped_swiglu(x_RH, expert_R, gate_up, down, multiple)
         return looped_swiglu(x_RH, expert_R, gate_up, down, multiple)

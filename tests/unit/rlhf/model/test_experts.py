@@ -108,6 +108,30 @@ def test_forward_rows_takes_the_grouped_path_on_cpu(monkeypatch):
     assert not grouped_mm_supported("cuda", torch.float32)  # torch's cuda kernel takes bf16: the loop there
 
 
+def test_stacks_whose_rows_break_the_kernels_16_byte_rule_take_the_loop(monkeypatch):
+    """`torch._grouped_mm` refuses strides that are not a multiple of 16 bytes (an fp32 hidden size of 6, say):
+    such a model's experts take the loop, with the same outputs."""
+    import rlhf.model.qwen3_moe as q
+
+    from rlhf.model.experts import grouped_mm_fits
+
+    odd = ModelConfig(vocab_size=48, hidden_size=6, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=5)
+    experts = Experts(odd)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(experts.down_proj, std=0.3)
+    assert not grouped_mm_fits(experts.gate_up_proj, experts.down_proj)
+    gu, d = stacks(8)
+    assert grouped_mm_fits(gu, d) and not grouped_mm_fits(gu.detach()[:, :, 1:], d)
+    x, chosen = torch.randn(12, 6), torch.randint(0, 4, (12,))
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        grouped_swiglu(x, chosen, experts.gate_up_proj, experts.down_proj)
+    monkeypatch.setattr(q, "grouped_swiglu", lambda *a: pytest.fail("the grouped path for a misfit stack"))
+    with torch.no_grad():
+        assert torch.equal(experts.forward_rows(x, chosen),
+                           looped_swiglu(x, chosen, experts.gate_up_proj, experts.down_proj))
+
+
 def test_no_rows_still_reach_the_weights_and_the_input():
     """A rank that received no rows returns zeros tied to its input and weights, so its backward joins the
     all-to-all that brought the rows."""
