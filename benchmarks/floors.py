@@ -43,7 +43,7 @@ def decode_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> float:
     """Weight bytes one engine rank reads per decode step: every parameter but the embedding (a lookup of a few
     rows), split over its tp ranks."""
     c = model_cost(model)
-    return (c.total - c.embed) * torch.empty((), dtype=dtype).element_size() / tp
+    return (c.total + c.final_norm - c.embed) * torch.empty((), dtype=dtype).element_size() / tp
 
 
 def phase_floors(cfg, rates: dict[str, float], update_s: float, generate_s: float, trained_tokens: float,

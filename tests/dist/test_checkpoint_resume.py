@@ -1,7 +1,10 @@
 """Run checkpoints of the parallel trainer (at most 4 gloo processes): train 1 step, save, train 2 more;
 fresh processes that resume from the checkpoint and train the same 2 steps end with the same
-parameters and optimizer state bit for bit. The checkpoint exports to an HF directory equal to the
-shards put together by their spec, and refuses a trainer of another layout with an error naming both."""
+parameters and optimizer state bit for bit, in fp32 and with bf16 compute. The checkpoint exports to an HF
+directory equal to the shards put together by their spec, and refuses a trainer of another layout with an error
+naming both."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from rlhf import checkpoint as ckpt
-from rlhf.schema import ModelConfig, TrainerConfig
+from rlhf.schema import DType, ModelConfig, TrainerConfig
 from rlhf.model.hf_io import iter_safetensors, load_pretrained, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.model.shapes import param_shapes
@@ -47,7 +50,8 @@ def state_copy(tr):
 
 
 def save_worker(rank, layout, model_dir, kw, root):
-    tr = ParallelTrainer(CFG, TCFG, layout, rank, model_dir, **kw)
+    kw = dict(kw)
+    tr = ParallelTrainer(CFG, kw.pop("tcfg", TCFG), layout, rank, model_dir, **kw)
     tr.train_step(micro_batches(0, layout, rank), loss_fn)
     d = ckpt.step_dir(root, 1)
     ckpt.save_rank(d, rank, tr)
@@ -73,7 +77,8 @@ def resume_worker(rank, layout, model_dir, kw, root, wrong_layout):
                 load()
             except ValueError as e:
                 errors[what] = str(e)
-    tr = ParallelTrainer(CFG, TCFG, layout, rank, model_dir, **kw)
+    kw = dict(kw)
+    tr = ParallelTrainer(CFG, kw.pop("tcfg", TCFG), layout, rank, model_dir, **kw)
     ckpt.load_rank(d, rank, tr)
     for step in (1, 2):
         tr.train_step(micro_batches(step, layout, rank), loss_fn)
@@ -92,6 +97,8 @@ def model_dir(tmp_path_factory):
 LAYOUTS = {
     "dp2xep2": (Layout(dp=2, ep=2), {}, Layout(dp=2)),
     "pp2xtp2": (Layout(pp=2, tp=2), {"stage_split": [1, 3]}, None),
+    # bf16 compute over fp32 masters: the step's bf16 working copies are made anew after a resume
+    "dp2xep2_bf16": (Layout(dp=2, ep=2), {"tcfg": replace(TCFG, compute_dtype=DType.bfloat16)}, None),
 }
 
 
