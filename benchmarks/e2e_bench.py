@@ -10,9 +10,9 @@ memory. The last line is one JSON object: `tokens_per_second` (generated tokens 
 steps' seconds, the run's final held-out evaluation left out), `seconds_per_step`, seconds per phase,
 the update's and generation's floors and each phase over its floor (`update_floor_seconds`,
 `update_over_floor`, `generate_floor_seconds`, `generate_over_floor`: benchmarks/floors.py, at the rates measured
-here before the run, under `machine`), `sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it used before the run, free pages in
-the kernel's per-CPU lists not counted; `peak_memory_gib_psutil` counts them, as `free` does) and per role
-(resident memory by process title).
+here before the run, under `machine`), `sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it
+used before the run, free pages in the kernel's per-CPU lists not counted; `peak_memory_gib_psutil` counts them, as
+`free` does) and per role (resident memory by process title).
 """
 
 from __future__ import annotations

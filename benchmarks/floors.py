@@ -19,6 +19,7 @@ from rlhf.driver.calibrate import matmul_tflops, memory_gbytes_per_s
 from rlhf.schema import ModelConfig
 from rlhf.sim.workload import model_cost
 
+
 def machine_rates(dtype: torch.dtype, threads: int = 1, tries: int = 3) -> dict[str, float]:
     """This machine's matmul rate in `dtype` and its memory bandwidth on `threads` threads (`rlhf calibrate`'s
     probes: the median over model-like matmul shapes; a copy's bytes read and written), the best of `tries`: a

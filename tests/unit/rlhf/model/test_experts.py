@@ -1,7 +1,7 @@
 """Grouped-GEMM experts (`rlhf.model.experts.grouped_swiglu`) equal the per-expert loop, values and gradients: fp32
 within 1e-6 (relative and absolute; 1e-5 where padding gives a group another row count than the loop's, and BLAS
-sums in another order), bf16 within bf16 rounding; for empty experts, one row, uneven counts, padded groups, an EP rank's part of the stack and replayed
-routes. `Experts.forward_rows` takes the grouped path on cpu."""
+sums in another order), bf16 within bf16 rounding; for empty experts, one row, uneven counts, padded groups, an EP
+rank's part of the stack and replayed routes. `Experts.forward_rows` takes the grouped path on cpu."""
 
 import pytest
 import torch
