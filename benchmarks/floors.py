@@ -23,8 +23,7 @@ from rlhf.sim.workload import model_cost
 def machine_rates(dtype: torch.dtype, threads: int = 1, tries: int = 3) -> dict[str, float]:
     """This machine's matmul rate in `dtype` and its memory bandwidth on `threads` threads (`rlhf calibrate`'s
     probes: the median over model-like matmul shapes; a copy's bytes read and written), the best of `tries`: a
-    floor is what the machine can do, and one probe here has read 0.45 and 1.14 TFLOP/s on the same machine within
-    the hour, the lower one while the last run's processes were still going down."""
+    floor is what the machine can do, and a probe reads low while other processes still hold the cores."""
     before = torch.get_num_threads()
     try:
         return {"matmul_tflops": max(matmul_tflops(dtype, threads) for _ in range(tries)),

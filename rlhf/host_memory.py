@@ -122,9 +122,8 @@ def small_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     (ONEDNN_PRIMITIVE_CACHE_CAPACITY, read when the process makes its first primitive: call this before any
     matmul). On cpu torch runs bf16 matmuls through oneDNN, which builds a primitive per shape: an update makes
     one for each micro-batch's token count in every projection, forward and backward, and one per expert group
-    size (padded to `EXPERT_ROWS_MULTIPLE`), about a hundred to two hundred in all. A cap below that misses on
-    every call and rebuilds each primitive (about 2 ms, against 0.2-1 ms for the matmul); a cap far above it lets
-    the shapes of later steps' micro-batches pile up. fp32 matmuls go to BLAS, untouched. Measured with
-    `python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --micro-batch-tokens 1024` and
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY set: docs/throughput.md."""
+    size (padded to `EXPERT_ROWS_MULTIPLE`). A cap below the step's count misses on every call and rebuilds each
+    primitive, which costs more than the matmul; a cap far above it lets the shapes of later steps' micro-batches
+    pile up. fp32 matmuls go to BLAS, untouched. The count, and the update's time and memory at several caps:
+    docs/throughput.md ("The update")."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
