@@ -194,7 +194,7 @@ class RolloutConfig:
     max_num_seqs: int = 0
     # Where vLLM's engine core (scheduler, model runner of a TP-1 engine) runs: in the engine actor's process
     # (true) or a process of its own (false, vLLM's default). None: true for the run's engine actors on cpu (the
-    # extra process and its IPC hop cost more than they overlap there: docs/throughput.md item 4), false on
+    # extra process and its IPC hop cost more than they overlap there: docs/throughput.md, shipped settings), false on
     # cuda / npu and for an engine built inside another process (`rlhf eval`, tests).
     engine_core_in_process: Optional[bool] = None
     # Streamed rollouts (docs/rollout.md): each group scored as soon as its engine finishes it, DAPO's filter
