@@ -9,7 +9,8 @@
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
-self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches, and each
+self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches, rank 0's
+distinct matmul shapes in the profiled step (`matmul_shapes`: the primitives oneDNN builds in bf16), and each
 rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init and after each
 timed step).
 The weights are random (our code), written once to `out/bench/<model name>-update`.
@@ -70,19 +71,31 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
         memory[f"after_step_{len(seconds)}"] = _memory_gib()
-    table, categories = "", None
+    table, categories, shapes = "", None, None
     if memory_categories:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                     record_shapes=True, with_stack=True) as prof:
             step()
         categories = _tensor_peak_gb(prof)
     elif profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=profile_memory) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=profile_memory,
+                                    record_shapes=True) as prof:
             step()
         table = prof.key_averages().table(sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
                                           row_limit=25 if profile_memory else 15)
+        shapes = matmul_shapes(prof)
     return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
-            "tensor_peak_gb": categories}
+            "tensor_peak_gb": categories, "matmul_shapes": shapes}
+
+
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def matmul_shapes(prof) -> int:
+    """Distinct (op, operand shapes) among the profiled step's matmuls: the primitives oneDNN builds for a bf16
+    step on cpu (`rlhf.host_memory.small_onednn_cache`)."""
+    return len({(e.key, str(e.input_shapes)) for e in prof.key_averages(group_by_input_shape=True)
+                if e.key in MATMUL_OPS})
 
 
 def _tensor_peak_gb(prof) -> dict:
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
                       "expert_rows_multiple": args.expert_rows_multiple, "threads": args.threads,
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
+                      "matmul_shapes": results[0]["matmul_shapes"],
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}
                      | ({"tensor_peak_gb": {r: res["tensor_peak_gb"] for r, res in enumerate(results)}}
                         if args.memory_categories else {})))
