@@ -65,13 +65,21 @@ class GroupedRows:
         return GroupedRows(dest_R, ends_E.to(torch.int32), rows)
 
 
+def _buffer(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows for `like`'s rows to be written into: zeros where some stay unwritten (padding), else uninitialised (no
+    row is padding, as in fp32: a permutation, every row written)."""
+    if rows == like.shape[0]:
+        return like.new_empty(rows, like.shape[1])
+    return like.new_zeros(rows, like.shape[1])
+
+
 class _ScatterRows(torch.autograd.Function):
     """x's rows written to rows `dest` of a zero buffer of `rows` rows; the gradient gathers them back."""
 
     @staticmethod
     def forward(ctx, x, dest, rows):
         ctx.save_for_backward(dest)
-        return x.new_zeros(rows, x.shape[1]).index_copy_(0, dest, x)
+        return _buffer(x, rows).index_copy_(0, dest, x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -91,7 +99,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (dest,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, dest, grad), None
+        return _buffer(grad, ctx.rows).index_copy_(0, dest, grad), None
 
 
 def grouped_swiglu(x_RH: torch.Tensor, expert_R: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
