@@ -124,7 +124,9 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.top_p", r.top_p, "must be in (0, 1]"))
     if r.temperature < 0:
         p.append(Problem("rollout.temperature", r.temperature, "must be >= 0 (0 is greedy)"))
-    need = kv_bytes(m, r, m.max_position_embeddings) / 2**30 if cfg.placement.device_type.value == "cpu" else 0.0
+    # (a tp below 1 is refused above, by `fit_problems`: no KV size to check against)
+    need = kv_bytes(m, r, m.max_position_embeddings) / 2**30 if cfg.placement.device_type.value == "cpu" and \
+        r.tp >= 1 else 0.0
     if r.cpu_kv_cache_gib < need:  # vLLM's minimum: one max-length sequence
         p.append(Problem("rollout.cpu_kv_cache_gib", r.cpu_kv_cache_gib,
                          f"holds fewer tokens than one sequence of model.max_position_embeddings="

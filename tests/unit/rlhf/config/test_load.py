@@ -90,6 +90,11 @@ def test_tp_must_divide_heads(tmp_path):
     assert "trainer.tp = 3" in msg and "num_attention_heads=4" in msg and "[1, 2, 4]" in msg
 
 
+def test_a_rollout_tp_below_one_is_refused_by_name(tmp_path):
+    """Not a ZeroDivisionError from the KV-cache check (found by the fuzzed-YAML test)."""
+    assert "rollout.tp = 0" in _error(tmp_path, "rollout:\n  tp: 0\n")
+
+
 def test_ep_must_divide_experts_and_come_out_of_dp_tp(tmp_path):
     msg = _error(tmp_path, "trainer:\n  dp: 6\n  ep: 3\n  mini_batch_size: 48\n")
     assert "trainer.ep = 3" in msg and "num_experts=8" in msg
