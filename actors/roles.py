@@ -48,16 +48,18 @@ class Roles:
     engine_pids: list = field(default_factory=list)  # each engine actor's process (chaos.stop_engines)
     hang_timeout_s: float = 0.0  # a generate call not answered within it: the engine hangs (0: timeout_s)
     version: int = 0  # the weights every engine serves (the last sync's)
-    # set by the driver: replaces dead engines (indices, what failed, the handles that died) and installs
-    # `version` in them; None: a death raises
+    # the driver's (`start(recover=...)`): replaces dead engines (indices, what failed, the handles that died)
+    # and installs `version` in them; None: a death raises
     recover: Optional[Callable[..., Any]] = None
     inject: Callable[[str], None] = lambda phase: None  # chaos: kills engines as a phase's calls go out
 
     @staticmethod
     def start(cfg: RunConfig, dm, model_dir: str, sync_layout, log=print, name_prefix: str = "",
-              shm_record: Optional[Path] = None) -> "Roles":
+              shm_record: Optional[Path] = None, recover: Optional[Callable[..., Any]] = None,
+              inject: Optional[Callable[[str], None]] = None) -> "Roles":
         """`shm_record`: a file in the run's directory listing the engines' shared memory (`record_shm`); one a
-        killed driver left names what its engines' processes left in /dev/shm, and the new engines remove it."""
+        killed driver left names what its engines' processes left in /dev/shm, and the new engines remove it.
+        `recover`, `inject`: the driver's engine replacement and chaos injection (the fields of those names)."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -118,7 +120,8 @@ class Roles:
         else:
             rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, cfg.reward.sandbox, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
-        roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60)
+        roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60,
+                      recover=recover, inject=inject or (lambda phase: None))
         roles.start_engine, roles.start_policy, roles.sync_layout = start_engine, start_policy, sync_layout
         roles.sync_backend = backend_for(dt.value, cfg.trainer.backend.value)
         roles.sync_timeout_s = cfg.trainer.collective_timeout_s
@@ -155,6 +158,10 @@ class Roles:
         self.trainer, self.reference = self.start_policy(stale_pids=self.policy_pids)
         self.init_policy()
         self.join_sync()
+
+    def follow_layout(self, sync_layout) -> None:
+        """The weight-sync layout changed (experts moved): the group re-forms by it from now on."""
+        self.sync_layout = sync_layout
 
     def join_sync(self) -> None:
         """Every trainer rank and engine (re)joins the weight-sync group, on a fresh port: the group is

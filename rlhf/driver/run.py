@@ -1,6 +1,13 @@
 """A run's state around the loop: its inputs, checked before any actor starts (`RunInputs`), and the run
-itself (`Run`): roles, phases and their timing, co-location switches, evaluation, checkpoints, the
-step's record and the final result.
+itself (`Run`): its roles, where it stands, and its components, each with one job and built by the run:
+
+    Recorder        each step's metrics, the driver's phases, the accuracy history, the result (`record`)
+    WeightSync      the layout and plan the weights go to the engines by; follows expert moves
+    Colocation      whose turn it is on devices the trainer and the engines share
+    ExpertBalance   the expert-load prediction and the placements it leads to (`balance`)
+    Faults          dead or hung processes replaced, restarts counted, chaos injected (`faults`)
+
+and the pieces of a step the loop (`loop`) and the learning half (`step`) call.
 """
 
 from __future__ import annotations
@@ -8,16 +15,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from actors.replies import SyncReplies, UpdateReply
+from actors.replies import SyncReplies
 from actors.roles import Roles, connect
 from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
@@ -27,9 +33,10 @@ from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sandbox import parse_tests
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.balance import ExpertBalancing
-from rlhf.driver.faults import Recovery
-from rlhf.driver.metrics import progress_fields, step_metrics
+from rlhf.driver.balance import ExpertBalance
+from rlhf.driver.faults import Faults
+from rlhf.driver.metrics import step_metrics
+from rlhf.driver.record import Recorder
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
@@ -37,12 +44,11 @@ from rlhf.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.config.chaos import engine_kills, trainer_kills
 from rlhf.schema import DeviceType, RewardKind, RunConfig
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tiny import make_tiny_args
-from rlhf.tracking import Progress, Trace, Tracker
-from weight_sync.plan import Plan
+from rlhf.tracking import Trace, Tracker
+from weight_sync.plan import Plan, Topology
 
 Log = Callable[[str], None]
 ENGINE_SHM_RECORD = "engine_shm.json"  # the engines' shared memory, for the run's next driver (Roles.record_shm)
@@ -112,100 +118,146 @@ class RunInputs:
 
 
 @dataclass
-class Run(Recovery, ExpertBalancing):
-    """One run: its inputs, its roles once started, and what it has done so far."""
+class WeightSync:
+    """The weights' way from the trainer to the engines: the sync layout and its plan (both follow the expert
+    placements when experts move: `follow`), the co-located rank pairs, and the link measured at start."""
+
+    layout: SyncLayout
+    plan: Plan
+    same_device: frozenset[tuple[int, int]]
+    link_bytes_per_s: float = 0.0
+
+    def send(self, roles: Roles, version: int, posted=None) -> SyncReplies:
+        """Install `version` in every engine (`posted`: the sync's calls, sent with the update)."""
+        return roles.sync_weights(self.layout, version, self.same_device, posted)
+
+    def post(self, roles: Roles, version: int) -> tuple:
+        """The sync's calls sent now, to run behind the trainer's update (`Roles.submit_sync`)."""
+        return roles.submit_sync(self.layout, version, self.same_device, posted=True)
+
+    def follow(self, expert_maps, engine_experts, roles: Optional[Roles]) -> None:
+        self.layout = replace(self.layout, expert_maps=expert_maps, engine_experts=engine_experts)
+        self.plan = self.layout.plan()
+        if roles is not None:
+            roles.follow_layout(self.layout)
+
+    def link(self) -> Topology:
+        """The topology with the link as measured (the floor's bandwidth)."""
+        return replace(self.layout.topology, link_bytes_per_s=self.link_bytes_per_s or
+                       self.layout.topology.link_bytes_per_s)
+
+    def engine_ranks(self) -> list[int]:
+        return [r for k in range(self.layout.engines.engines) for r in self.layout.engine_ranks(k)]
+
+    def bytes_per_engine_rank(self, last: Optional[SyncReplies]) -> list[int] | None:
+        """What each engine rank received in sync `last` (network + shared memory), in rank order."""
+        if last is None:
+            return None
+        got = {r: b for rep in last.receives for r, b in zip(rep.ranks, rep.bytes_per_rank)}
+        return [got[r] for r in self.engine_ranks()]
+
+
+@dataclass
+class Colocation:
+    """Whose turn it is on devices the trainer and the engines share: engines asleep or awake, the trainer's
+    state on the device or in host memory, and the bytes the last switch moved."""
+
+    sleep_level: int  # rollout.sleep_level; 0: the engines stay awake
+    trainer_offloaded: bool = False  # the trainer's state is in host memory (engines' turn)
+    engines_asleep: bool = False  # the engines released their memory (trainer's turn)
+    switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
+
+    def switch(self, roles: Roles, engine_method: str, trainer_method: str) -> None:
+        """Engines sleep / wake, trainer and reference onload / offload."""
+        level = self.sleep_level
+        if level:
+            roles.all(roles.engines, engine_method, **({"level": level} if engine_method == "sleep" else {}))
+        moved = roles.all(roles.trainer, trainer_method)
+        self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep" and level > 0
+        if trainer_method == "offload" and roles.reference:
+            moved += roles.all(roles.reference, "offload")
+        self.switch_bytes[trainer_method] = sum(moved)
+
+    def offloaded(self) -> None:
+        self.trainer_offloaded = True
+
+    def wake_engines(self, roles: Roles) -> None:
+        if self.engines_asleep:
+            roles.all(roles.engines, "wake_up")
+            self.engines_asleep = False
+
+
+@dataclass
+class Run:
+    """One run: its inputs, its roles once started, where it stands, and its components (each with one job)."""
 
     cfg: RunConfig
     inputs: RunInputs
     log: Log
-    tracker: Tracker
+    recorder: Recorder  # each step's metrics, the phases, the accuracy history, the result
+    weights: WeightSync  # the layout and plan the engines get the weights by
+    devices: Colocation
+    source: object  # where the loop's batches come from (rlhf.driver.sources.RolloutSource): its checkpoint state
+    experts: ExpertBalance = None  # type: ignore[assignment]  # built with the run (`__post_init__`)
+    faults: Faults = None  # type: ignore[assignment]
     roles: Optional[Roles] = None
     ray_owned: bool = False  # this process started Ray, so it stops it
     step: int = 0  # the last step done (the weights' version)
-    progress: Optional[Progress] = None
-    history: list[dict] = field(default_factory=list)  # a few metrics per step, for the result
-    accuracy: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out accuracy)
-    accuracy_seconds: list[float] = field(default_factory=list)  # when each was measured, from the run's start
-    eval_seconds: dict[int, float] = field(default_factory=dict)  # how long the evaluation after each step took
-    parity_violations: int = 0
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # this step's driver phases
-    switch_bytes: dict[str, int] = field(default_factory=dict)  # bytes moved by the last onload / offload
-    last_checkpoint: Optional[Path] = None
-    link_bytes_per_s: float = 0.0  # the weight-sync link, measured at start (the floor's bandwidth)
-    ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
-    load_prediction: Optional[list] = None  # tokens per expert per MoE layer, moving average (expert_load/*; checkpointed)
-    load_metrics: dict = field(default_factory=dict)  # this step's expert_load/* from observe_expert_loads
-    expert_maps: Optional[tuple] = None  # the trainer's expert -> EP shard map per MoE layer once balanced (checkpointed)
-    engine_experts: Optional[tuple] = None  # the engines' placement per MoE layer once it follows (checkpointed)
-    sync_seconds: float = 0.0  # summed over steps, for the sync's share of the run
-    step_seconds: float = 0.0
-    last_sync: Optional[SyncReplies] = None
-    train_seconds: float = 0.0  # step time less evaluation: what throughput is measured over
-    samples_dropped: int = 0  # StaleSync: samples too old to train on
-    extra_state: Optional[Callable[[Path], dict]] = None  # more driver state for a checkpoint dir (StaleSync's queue)
     at_step: int = 0  # the step in progress (or the one just evaluated): where faults are counted and injected
-    trainer_offloaded: bool = False  # co-location: the trainer's state is in host memory (engines' turn)
-    engines_asleep: bool = False  # co-location: the engines released their memory (trainer's turn)
-    posted_sync: list = field(default_factory=list)  # the references of a sync posted with an update that failed
-    engine_restarts: list[int] = field(default_factory=list)  # the step of each engine replacement
-    trainer_restarts: int = 0  # times every trainer and reference rank was restarted from a checkpoint
-    steps_redone: int = 0  # steps done again after those restarts
-    kills: list = field(default_factory=list)  # chaos kills still to inject: (step, role, index, phase)
-    # Engine replacement asked for by another thread (StaleSync's producer) is done by this one, the driver's
-    # main thread, where it knows the trainer idle (`serve_recoveries`).
-    main_thread: threading.Thread = field(default_factory=threading.current_thread)
-    recovery_cv: threading.Condition = field(default_factory=threading.Condition)
-    recovery_requests: list = field(default_factory=list)
-    recovery_closed: bool = False
-    wake_main: Callable[[], None] = lambda: None  # the main thread may be waiting on another condition
-    producer_batch: int = 0  # StaleSync: the batch the producer makes (where its generation's kills land)
-    t0: float = field(default_factory=time.time)
+    last_checkpoint: Optional[Path] = None
+    ray_nodes: list[str] = field(default_factory=list)  # the Ray node of each placement node
+
+    def __post_init__(self):
+        self.experts = ExpertBalance(self.cfg, self.weights, self.log, self.recorder.phase)
+        self.faults = Faults(self, wake=self.source.wake)
 
     @staticmethod
-    def start(cfg: RunConfig, log: Log) -> "Run":
-        """Check every input, then start Ray and the roles (stopped again if anything fails)."""
+    def start(cfg: RunConfig, log: Log, source) -> "Run":
+        """Check every input, then start Ray and the roles (stopped again if anything fails). `source`: the
+        rollout source the loop will take batches from."""
         inputs = RunInputs.prepare(cfg, log)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         tracker = Tracker(cfg.tracking, as_dict(cfg))
         tracker.trace = Trace(inputs.out / "trace.json", enabled=cfg.tracking.trace)
-        run = Run(cfg, inputs, log, tracker)
+        run = Run(cfg, inputs, log, Recorder(tracker, inputs.out / "steps.jsonl", cfg.steps),
+                  WeightSync(inputs.sync, inputs.plan, inputs.same_device), Colocation(cfg.rollout.sleep_level),
+                  source)
         if inputs.resume_dir is None:  # a new run's steps.jsonl starts empty; a resumed run appends
             (inputs.out / "steps.jsonl").unlink(missing_ok=True)
         try:
             run.ray_owned = connect(cfg.placement, log)
             with run.phase("start roles", 0):
                 run.roles = Roles.start(cfg, inputs.device_map, inputs.model_dir, inputs.sync, log,
-                                        shm_record=inputs.out / ENGINE_SHM_RECORD)
-            run.roles.recover = run.recover_engines
-            run.roles.inject = run._inject
-            run.kills = ([(s, "rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.kill_engines)]
-                         + [(s, "stop rollout", k, ph) for s, k, ph in engine_kills(cfg.chaos.stop_engines)]
-                         + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.kill_trainer_ranks)]
-                         + [(s, "stop trainer", r, ph) for s, r, ph in trainer_kills(cfg.chaos.stop_trainer_ranks)])
-            run.link_bytes_per_s = run.roles.link_probe(inputs.sync)
+                                        shm_record=inputs.out / ENGINE_SHM_RECORD,
+                                        recover=run.faults.recover_engines, inject=run.faults.inject)
+            run.weights.link_bytes_per_s = run.roles.link_probe(inputs.sync)
             run.ray_nodes = run.roles.ray_nodes()
             if inputs.resume_dir is not None:
-                run._resume(inputs.resume_dir)
+                run.resume(inputs.resume_dir)
         except BaseException:  # an actor that failed to start: stop what did start, and Ray if we started it
             run.close(failed=True)
             raise
-        run.progress = Progress(cfg.steps, start_step=run.step)
+        run.recorder.begin(run.step)
         dm = inputs.device_map
         log(f"train: {cfg.steps} steps from step {run.step}; trainer {inputs.sync.trainer} on devices "
             f"{dm.devices_of('trainer')}, {cfg.rollout.num_engines} engine(s) on {dm.devices_of('rollout')}; "
             f"sync plan {inputs.plan.bytes_minimal / 1e6:.2f} MB per step to {inputs.sync.engines.world_size} engine "
-            f"rank(s), link measured at {run.link_bytes_per_s / 1e9:.2f} GB/s")
+            f"rank(s), link measured at {run.weights.link_bytes_per_s / 1e9:.2f} GB/s")
         return run
 
     # --- pieces of a step ---
-    @contextmanager
+    def begin(self, step: int) -> None:
+        """Step `step` is under way: faults are counted and chaos injected at it."""
+        self.at_step = step
+
     def phase(self, name: str, step: int):
         """Time a driver phase: a trace event and the step's `time/<phase>` metric."""
-        t0 = time.time()
-        with self.tracker.trace.phase(name, "driver", step):
-            yield
-        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.time() - t0
+        return self.recorder.phase(name, step)
+
+    @property
+    def trace(self) -> Trace:
+        return self.recorder.tracker.trace
 
     def put(self, obj):
         import ray
@@ -260,14 +312,7 @@ class Run(Recovery, ExpertBalancing):
 
     def switch(self, engine_method: str, trainer_method: str) -> None:
         """Co-location: engines sleep / wake, trainer and reference onload / offload."""
-        roles, level = self.roles, self.cfg.rollout.sleep_level
-        if level:  # 0: the engines stay awake (a machine with memory to spare)
-            roles.all(roles.engines, engine_method, **({"level": level} if engine_method == "sleep" else {}))
-        moved = roles.all(roles.trainer, trainer_method)
-        self.trainer_offloaded, self.engines_asleep = trainer_method == "offload", engine_method == "sleep" and level > 0
-        if trainer_method == "offload" and roles.reference:
-            moved += roles.all(roles.reference, "offload")
-        self.switch_bytes[trainer_method] = sum(moved)
+        self.devices.switch(self.roles, engine_method, trainer_method)
 
     def reference_logprobs(self, batch: TokenBatch, step: int, timed: bool = True):
         """`timed`: a phase of the step (`time/reference_logprobs`); StaleSync's producer, computing a batch's
@@ -285,182 +330,110 @@ class Run(Recovery, ExpertBalancing):
         for h, rep in zip(group, replies):
             if rep is not None:
                 dev = dm.devices_of(h.role)[h.rank * (dm.ranks_per_engine if h.role == "rollout" else 1)]
-                self.tracker.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep.start, rep.seconds, step)
+                self.trace.add(name, f"device {dev}/{h.role} r{h.rank}", rep.start, rep.seconds, step)
 
     def evaluate(self, step: int) -> float:
         t0, self.at_step = time.time(), step
         with self.phase("evaluate", step):
             acc = heldout_accuracy(self.cfg, self.roles, self.inputs.tokenizer, self.inputs.heldout)
-        self.eval_seconds[step] = time.time() - t0
-        self.accuracy.append((step, acc))
-        self.accuracy_seconds.append(round(time.time() - self.t0, 1))
+        self.recorder.evaluated(step, acc, time.time() - t0)
         self.log(f"step {step}: held-out greedy accuracy {acc:.3f} ({len(self.inputs.heldout)} prompts)")
         return acc
 
-    # --- checkpoints ---
-    def checkpoint(self, step: int, force: bool = False) -> Path | None:
-        c = self.cfg.checkpoint
-        if not force and not (c.every_steps and step % c.every_steps == 0):
-            return None
-        d = step_dir(Path(c.dir), step)
-        with self.phase("checkpoint", step):
-            self.roles.all(self.roles.trainer, "save", str(d))
-            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state(),
-                       "expert_load_prediction": self.load_prediction,
-                       "expert_maps": [list(m) for m in self.expert_maps] if self.expert_maps else None,
-                       "engine_experts": [list(m) for m in self.engine_experts] if self.engine_experts else None}
-                   | (self.extra_state(d) if self.extra_state else {}))
-            prune(Path(c.dir), c.keep_last)
-        self.last_checkpoint = d
-        return d
-
-    def _resume(self, d: Path) -> None:
-        state = json.loads((d / "driver.json").read_text())
-        self.roles.all(self.roles.trainer, "load", str(d))
-        self.inputs.sampler.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.load_prediction = state.get("expert_load_prediction")  # none in checkpoints written before it
-        maps = state.get("expert_maps")  # the trainer ranks restored the same placement from their files
-        engines = state.get("engine_experts")  # the engines take theirs with the sync below
-        self._set_expert_maps(tuple(tuple(m) for m in maps) if maps else None,
-                              tuple(tuple(m) for m in engines) if engines else None)
-        self.step = state["step"]
-        # the engines serve the resumed weights
-        self.roles.sync_weights(self.inputs.sync, self.step, self.inputs.same_device)
-        self.roles.all(self.roles.trainer, "offload")
-        self.trainer_offloaded = True
-        self.log(f"resumed from {d} at step {self.step}")
+    def sync_weights(self, version: int, posted=None) -> SyncReplies:
+        """The weight sync of `version` to every engine, dead or hung engines replaced (`Faults.sync_weights`)."""
+        return self.faults.sync_weights(version, posted)
 
     def can_post_sync(self, step: int) -> bool:
         """Whether this step's sync may go out with its update (`Roles.submit_sync`): the engines can receive while
         the trainer updates (awake, or asleep on cpu, where it receives into staging buffers), and no expert
         migration comes between the two (it changes what is sent)."""
         b = self.cfg.trainer.expert_balance
-        asleep = self.engines_asleep and self.cfg.placement.device_type is not DeviceType.cpu
+        asleep = self.devices.engines_asleep and self.cfg.placement.device_type is not DeviceType.cpu
         return not asleep and not (b.enabled and step % b.every_steps == 0)
 
-    # --- faults: rlhf/driver/faults.py (Recovery) ---
+    # --- checkpoints ---
+    def checkpoint_due(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return bool(c.every_steps) and step % c.every_steps == 0
+
+    def checkpoint(self, step: int) -> Path:
+        """The trainer's state, the data cursor, the RNG, the expert placements and the rollout source's state
+        (StaleSync: its queue) in a complete step directory; the oldest pruned past checkpoint.keep_last."""
+        c = self.cfg.checkpoint
+        d = step_dir(Path(c.dir), step)
+        with self.phase("checkpoint", step):
+            self.roles.all(self.roles.trainer, "save", str(d))
+            commit(d, {"step": step, "version": step, "data": self.inputs.sampler.state_dict(), "rng": rng_state()}
+                   | self.experts.state() | self.source.state(d))
+            prune(Path(c.dir), c.keep_last)
+        self.last_checkpoint = d
+        return d
+
+    def resume(self, d: Path) -> None:
+        """Checkpoint `d` restored: the trainer's state, the data cursor, the RNG and the expert placements, and
+        its weights installed in every engine; the trainer offloaded (the engines' turn)."""
+        state = json.loads((d / "driver.json").read_text())
+        self.roles.all(self.roles.trainer, "load", str(d))
+        self.inputs.sampler.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.experts.restore(state, self.roles)
+        self.step = state["step"]
+        self.weights.send(self.roles, self.step)  # the engines serve the resumed weights
+        self.roles.all(self.roles.trainer, "offload")
+        self.devices.offloaded()
+        self.log(f"resumed from {d} at step {self.step}")
 
     # --- metrics ---
-    def record(self, step: int, ro: Rollout, batch: TokenBatch, entropy: torch.Tensor, parity: Parity,
-               updates: list[UpdateReply], sync: SyncReplies, acc: float | None, seconds: float,
-               extra: dict | None = None) -> None:
-        cfg = self.cfg
+    def record(self, step: int, ro: Rollout, learned, parity: Parity, acc: float | None, seconds: float,
+               extra: dict) -> None:
+        """Step `step` done: its metrics from the rollouts, what training made of them (`step.Learned`), the
+        trainer/engine parity, the held-out accuracy if evaluated, and the rollout source's own metrics."""
         self.step = step
-        problem = parity_problem(parity, run_parity_limit(cfg))
+        problem = parity_problem(parity, run_parity_limit(self.cfg))
         if problem:
-            self.parity_violations += 1
             self.log(f"step {step}: {problem}")
-        link = replace(self.inputs.sync.topology, link_bytes_per_s=self.link_bytes_per_s or
-                       self.inputs.sync.topology.link_bytes_per_s)
-        m = step_metrics(ro, batch, entropy, parity, updates, sync, self.inputs.plan, link, seconds, self.switch_bytes)
-        m.update(self.load_metrics)
-        self.load_metrics = {}
-        self.sync_seconds += self.phase_seconds.get("weight sync", m["time/sync"])  # what the loop waited
-        self.step_seconds += seconds
-        self.train_seconds += seconds - self.eval_seconds.get(step, 0.0)
-        self.last_sync = sync
-        m.update({f"time/{k.replace(' ', '_')}": v for k, v in self.phase_seconds.items()})
-        m.update(extra or {})
-        m["faults/engine_restarts"] = len(self.engine_restarts)
-        m["faults/trainer_restarts"], m["faults/steps_redone"] = self.trainer_restarts, self.steps_redone
-        self.phase_seconds = {}
+        m = step_metrics(ro, learned.batch, learned.entropy, parity, learned.updates, learned.sync, self.weights.plan,
+                         self.weights.link(), seconds, self.devices.switch_bytes)
+        m.update(self.experts.take_metrics())
+        m.update(extra)
+        m.update(self.faults.metrics())
         if acc is not None:
             m["accuracy/heldout"] = acc
-        self.tracker.log(m, step)
-        with (self.inputs.out / "steps.jsonl").open("a") as f:  # every metric of every step, readable as it runs
-            f.write(json.dumps({"step": step} | m) + "\n")
-        self.history.append({k: m[k] for k in ("reward/mean", "accuracy/train", "parity/max_abs_diff",
-                                               "parity/mean_abs_diff", "parity/p99_abs_diff", "time/step",
-                                               "time/sync", "time/sync_transfer",
-                                               "time/sync_install", "sync/bytes_received", "sync/bytes_shm",
-                                               "rollout/generated_tokens")}
-                            | {"step": step, "samples": len(batch), "staleness_max": m.get("stale/staleness_max", 0),
-                               "route_mismatch": m.get("route/mismatch"),
-                               "ep_rank_load": m.get("expert_load/ep_rank_max_over_mean"),
-                               "experts_moved": m.get("expert_balance/experts_moved", 0),
-                               "expert_bytes_moved": m.get("expert_balance/bytes_moved", 0),
-                               "engine_layers_replaced": m.get("expert_balance/engine_layers_replaced", 0),
-                               "route_tokens_any_mismatch": m.get("route/tokens_any_mismatch")})
-        self.progress.update(step, progress_fields(m, self.accuracy))
+        self.recorder.add(step, m, seconds, len(learned.batch), problem, learned.sync)
 
     def finish(self, acc_start: float) -> dict:
-        cfg = self.cfg
+        """The run's end: the HF export if asked (from a checkpoint of the last step), the trace and the W&B
+        run closed, the roles stopped; the result, also in result.json."""
+        cfg, rec = self.cfg, self.recorder
         hf_dir = None
-        if cfg.checkpoint.export_hf and self.history:
+        if cfg.checkpoint.export_hf and rec.history:
             d = self.last_checkpoint
             if d is None or not str(d).endswith(f"{self.step:06d}"):
-                d = self.checkpoint(self.step, force=True)
+                d = self.checkpoint(self.step)
             hf_dir = str(self.inputs.out / "hf")
             export_hf(d, cfg.model, hf_dir, tokenizer_dir=self.inputs.model_dir)
-        self.progress.close()
-        trace = self.tracker.trace.save()
-        wandb_dir = self.tracker.finish()
+        rec.progress.close()
+        trace = rec.tracker.trace.save()
+        wandb_dir = rec.tracker.finish()
         self.close()
-        rewards = [h["reward/mean"] for h in self.history]
-        k = max(1, len(rewards) // 4)
-        result = {
-            "steps": cfg.steps, "steps_run": len(self.history),
-            "heldout_accuracy_start": acc_start, "heldout_accuracy_end": self.accuracy[-1][1],
-            "heldout_accuracy_history": self.accuracy,
-            "heldout_accuracy_seconds": self.accuracy_seconds,
-            "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
-            "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
-            "parity_max_abs_diff": max((h["parity/max_abs_diff"] for h in self.history), default=None),
-            "parity_mean_abs_diff_max": max((h["parity/mean_abs_diff"] for h in self.history), default=None),
-            "parity_p99_abs_diff_max": max((h["parity/p99_abs_diff"] for h in self.history), default=None),
-            "parity_violations": self.parity_violations,
-            # routing (rollout.capture_routes): the trainer's own top-k against the engine's, mean over steps
-            "route_mismatch_mean": _mean((h["route_mismatch"] for h in self.history
-                                          if h["route_mismatch"] is not None), 6),
-            "route_tokens_any_mismatch_mean": _mean((h["route_tokens_any_mismatch"] for h in self.history
-                                                     if h["route_tokens_any_mismatch"] is not None), 6),
-            # expert-parallel load (tokens on the busiest EP rank over the mean, the worst MoE layer), mean over
-            # steps; and what expert-load balancing moved (trainer.expert_balance)
-            "ep_rank_load_max_over_mean_mean": _mean((h["ep_rank_load"] for h in self.history
-                                                      if h["ep_rank_load"] is not None), 4),
-            "expert_balance_experts_moved": sum(h["experts_moved"] for h in self.history),
-            "expert_balance_bytes_moved": sum(h["expert_bytes_moved"] for h in self.history),
-            # MoE layers whose engine placement followed (engines with ep > 1), summed over the balancing steps
-            "expert_balance_engine_layers_replaced": sum(h["engine_layers_replaced"] for h in self.history),
-            "syncs": len(self.history), "sync_bytes_per_step": self.inputs.plan.bytes_minimal,
-            "sync_bytes_per_engine_rank": self._bytes_per_engine_rank(),
-            "sync_bytes_minimal_per_engine_rank": [self.inputs.plan.bytes_into(r) for r in self._engine_ranks()],
-            "sync_share": round(self.sync_seconds / self.step_seconds, 4) if self.step_seconds else None,
-            "sync_seconds_mean": _mean(h["time/sync"] for h in self.history),
-            "sync_transfer_seconds_mean": _mean(h["time/sync_transfer"] for h in self.history),
-            "sync_install_seconds_mean": _mean(h["time/sync_install"] for h in self.history),
-            "sync_link_gb_per_s": round(self.link_bytes_per_s / 1e9, 3),
-            "ray_nodes": self.ray_nodes,
-            # throughput over the steps' time, start-up and evaluation excluded
-            "tokens_per_second": _ratio(sum(h["rollout/generated_tokens"] for h in self.history), self.train_seconds),
-            "samples_per_second": _ratio(sum(h["samples"] for h in self.history), self.train_seconds),
-            "seconds_per_step": _ratio(self.train_seconds, len(self.history)),
-            "staleness_max": max((h["staleness_max"] for h in self.history), default=None),
-            "samples_dropped": self.samples_dropped,
-            "engine_restarts": len(self.engine_restarts), "trainer_restarts": self.trainer_restarts,
-            "steps_redone": self.steps_redone,
-            "seconds": round(time.time() - self.t0, 1),
+        w = self.weights
+        result = rec.result(acc_start) | {
+            "sync_bytes_per_step": w.plan.bytes_minimal,
+            "sync_bytes_per_engine_rank": w.bytes_per_engine_rank(rec.last_sync),
+            "sync_bytes_minimal_per_engine_rank": [w.plan.bytes_into(r) for r in w.engine_ranks()],
+            "sync_link_gb_per_s": round(w.link_bytes_per_s / 1e9, 3), "ray_nodes": self.ray_nodes,
+            "engine_restarts": len(self.faults.engine_restarts), "trainer_restarts": self.faults.trainer_restarts,
+            "steps_redone": self.faults.steps_redone,
             "wandb_dir": wandb_dir, "trace": trace, "hf_export": hf_dir,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-        }
+        } | self.source.result()
         (self.inputs.out / "result.json").write_text(json.dumps(result, indent=1))
         return result
 
-    def _engine_ranks(self) -> list[int]:
-        sync = self.inputs.sync
-        return [r for k in range(sync.engines.engines) for r in sync.engine_ranks(k)]
-
-    def _bytes_per_engine_rank(self) -> list[int] | None:
-        """What each engine rank received in the last sync (network + shared memory), in rank order."""
-        if self.last_sync is None:
-            return None
-        got = {r: b for rep in self.last_sync.receives for r, b in zip(rep.ranks, rep.bytes_per_rank)}
-        return [got[r] for r in self._engine_ranks()]
-
     def close(self, failed: bool = False) -> None:
         if failed:
-            self.tracker.finish(exit_code=1)  # the W&B run is marked failed (finish is idempotent)
+            self.recorder.tracker.finish(exit_code=1)  # the W&B run is marked failed (finish is idempotent)
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
@@ -469,12 +442,3 @@ class Run(Recovery, ExpertBalancing):
 
             ray.shutdown()
             self.ray_owned = False
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
-
-
-def _mean(values, digits: int = 4) -> float | None:
-    values = list(values)
-    return round(sum(values) / len(values), digits) if values else None

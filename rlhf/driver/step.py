@@ -1,5 +1,5 @@
-"""The part of a step both loops share (`loop` and `async_loop`): from a step's rollouts to the weights the
-engines serve next. Each line is one phase:
+"""The learning half of a step (`loop.run_step`), whatever the rollout source: from a step's rollouts to the
+weights the engines serve next. Each line is one phase:
 
     old logprobs (trainer, unless the update's own forward gives them) -> reference logprobs
     -> advantages -> policy update (mini-batches x epochs) -> weight sync (checksum verified)
@@ -55,7 +55,7 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
             old_logp, entropy, replies = roles.logprobs(roles.trainer, run.put(batch), routes)
         run.trace_ranks("old logprobs", roles.trainer, replies, step)
         differs = batch_route_differs(replies)
-    if ro.ref_logp is not None:  # computed beside an earlier step (StaleSync: `async_loop.Producer`)
+    if ro.ref_logp is not None:  # computed beside an earlier step (StaleSync: `stale_sync.Producer`)
         ref_logp = batch.response_matrix(ro.ref_logp)
     else:  # without routes: the policy's are not the reference's
         ref_logp = run.reference_logprobs(batch, step)
@@ -68,15 +68,15 @@ def learn(run: Run, ro: Rollout, step: int, switch: bool = True) -> Learned:
     with run.phase("update", step):
         sent = roles.submit(roles.trainer, "update", run.put(batch), mini_batches, per_rank=routes, offload_next=switch)
         if switch and run.can_post_sync(step):  # synchronous loop, engines idle: the sync goes out behind the update
-            posted = roles.submit_sync(run.inputs.sync, step, run.inputs.same_device, posted=True)
+            posted = run.weights.post(roles, step)
         try:
             updates = roles.wait(sent)
         except RoleError:
-            run.posted_sync = posted[1] if posted else []  # settled where the trainer ranks are restarted
+            run.faults.update_failed(posted[1] if posted else [])  # settled where the trainer ranks restart
             raise
     run.trace_ranks("update", roles.trainer, updates, step)
-    run.observe_expert_loads(updates)  # before this step's checkpoint, which saves the load prediction
-    run.balance_experts(step)  # EDPB: experts may move between the trainer's EP ranks before the sync
+    run.experts.observe(updates)  # before this step's checkpoint, which saves the load prediction
+    run.experts.balance(step, roles)  # EDPB: experts may move between the trainer's EP ranks before the sync
     if old_logp is None:
         old_logp, entropy = batch_logprobs([u.logprobs for u in updates])
         differs = batch_route_differs([u.logprobs for u in updates])

@@ -11,7 +11,7 @@ import pytest
 
 from rlhf.config import load_run_config
 from rlhf.driver import train
-from rlhf.driver.async_loop import ROUTE_BLOCKS, train_async
+from rlhf.driver.stale_sync import ROUTE_BLOCKS, StaleSync
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,8 @@ def test_staleness_zero_is_the_synchronous_loop(tiny, ray_session, tmp_path):
     d, _ = tiny
     kl = "algorithm.kl_coef=0.01"
     sync = train(_cfg(d, tmp_path / "sync", "steps=3", "eval_every=3", kl))
-    asyn = train_async(_cfg(d, tmp_path / "async", "steps=3", "eval_every=3", kl), log=lambda m: None)
+    acfg = _cfg(d, tmp_path / "async", "steps=3", "eval_every=3", kl)
+    asyn = train(acfg, log=lambda m: None, source=StaleSync(acfg))
     assert asyn["heldout_accuracy_history"] == sync["heldout_accuracy_history"]
     assert asyn["staleness_max"] == 0 and asyn["samples_dropped"] == 0
     a, s = _steps(tmp_path / "async"), _steps(tmp_path / "sync")
@@ -160,7 +161,7 @@ def test_a_dead_producer_is_reported_with_its_role_and_rank(tiny, ray_session, t
 
     import ray
 
-    from rlhf.driver.async_loop import ProducerError
+    from rlhf.driver.stale_sync import ProducerError
 
     d, _ = tiny
     out = tmp_path / "run"

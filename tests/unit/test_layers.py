@@ -165,6 +165,18 @@ def test_only_actors_and_the_driver_touch_ray_and_vllm():
     assert not {m: t for m, t in bad.items() if t}
 
 
+# the run's components and the rollout sources are built by the run and driven by the loop: they reach
+# neither (a new source or component plugs in without the loop or the run changing to know it)
+DRIVER_PARTS = ("rlhf.driver.record", "rlhf.driver.balance", "rlhf.driver.faults", "rlhf.driver.sources",
+                "rlhf.driver.stale_sync")
+
+
+@pytest.mark.parametrize("module", DRIVER_PARTS)
+def test_the_runs_components_and_the_rollout_sources_reach_neither_the_run_nor_the_loop(module):
+    assert module in MODULES
+    assert not sorted(t for t in _closure(module) if t in ("rlhf.driver.run", "rlhf.driver.loop"))
+
+
 def test_the_two_torch_sides_do_not_import_each_other():
     for side, other in (TORCH_SIDES, TORCH_SIDES[::-1]):
         for m in MODULES:

@@ -10,7 +10,7 @@ import torch
 from actors.vllm_engine import Completion
 from rlhf.data.prompts import PromptRow
 from rlhf.data.versioned_queue import QueuedGroup
-from rlhf.driver.async_loop import to_groups, to_rollout
+from rlhf.driver.stale_sync import to_groups, to_rollout
 from rlhf.driver.rollout import Rollout
 
 
@@ -55,7 +55,7 @@ def test_route_references_round_trip_through_a_checkpoint(tmp_path):
     loads with none, one with routes inline (before blocks) is refused with what to do."""
     import pytest
 
-    from rlhf.driver.async_loop import ROUTE_BLOCKS, queue_state_loaded, queue_state_saved
+    from rlhf.driver.stale_sync import ROUTE_BLOCKS, SAMPLE_FIELDS, queue_state_loaded, queue_state_saved
     from rlhf.routing import RouteRef
 
     ro = _rollout()
@@ -77,11 +77,15 @@ def test_route_references_round_trip_through_a_checkpoint(tmp_path):
     assert [c.routes.blocks for c in back.completions] == [tuple(f"reloaded {b}" for b in r.blocks) for r in refs]
     assert queue_state_loaded(saved, tmp_path, load)["dropped"] == 1
 
+    # each sample is saved by name; a checkpoint written before held it as a list of five (no routes) or six
+    assert all(set(c) == set(SAMPLE_FIELDS) for g in saved["groups"] for c in g["payload"]["completions"])
     old = json.loads(json.dumps(saved))
     for g in old["groups"]:
-        g["payload"]["completions"] = [c[:5] for c in g["payload"]["completions"]]
-    assert all(c.routes is None for c in to_rollout([QueuedGroup.from_json(g) for g in
-                                                     queue_state_loaded(old, tmp_path)["groups"]]).completions)
+        g["payload"]["completions"] = [[c[k] for k in SAMPLE_FIELDS[:5]] for c in g["payload"]["completions"]]
+    five = to_rollout([QueuedGroup.from_json(g) for g in queue_state_loaded(old, tmp_path)["groups"]])
+    assert all(c.routes is None for c in five.completions)
+    assert [(c.token_ids, c.weight_version, c.token_versions) for c in five.completions] == \
+        [(c.token_ids, c.weight_version, c.token_versions) for c in ro.completions]
     for g in old["groups"]:
         g["payload"]["completions"] = [c + [{"dtype": "|u1", "shape": [1, 1, 1], "base64": "AA=="}]
                                        for c in g["payload"]["completions"]]
@@ -99,19 +103,15 @@ class _Run:
 
         self.cfg = RunConfig(steps=steps, data=DataConfig(prompts_per_step=P),
                              stale_sync=StaleSyncConfig(max_staleness=staleness))
-        self.step, self.samples_dropped, self.said = 0, 0, []
+        self.step, self.said = 0, []
         self.roles = self.route_stages = None
         self.inputs = SimpleNamespace(sampler=None, tokenizer=None)
-        self.tracker = SimpleNamespace(trace=SimpleNamespace(add=lambda *a: None))
+        self.trace = SimpleNamespace(add=lambda *a: None)
+        self.faults = SimpleNamespace(serve_recoveries=lambda: None, recovery_pending=lambda: False,
+                                      producing=lambda batch: None)
 
     def log(self, line: str) -> None:
         self.said.append(line)
-
-    def serve_recoveries(self) -> None:
-        pass
-
-    def recovery_pending(self) -> bool:
-        return False
 
 
 class _Queue:
@@ -140,8 +140,8 @@ def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
     """Dynamic sampling can run out of draws with fewer groups than a step needs: the queue then holds fewer
     groups than the steps will take, so once every batch is made and a step is still short, the producer
     makes one more batch (it used to stop the run: "the trainer's batch is still short")."""
-    from rlhf.driver import async_loop
-    from rlhf.driver.async_loop import Producer, take_batch
+    from rlhf.driver import stale_sync
+    from rlhf.driver.stale_sync import Producer, take_batch
 
     P, sizes = 3, {1: 3, 2: 2, 3: 3, 4: 3}  # batch 2 comes back one group short
 
@@ -149,7 +149,7 @@ def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
         ro = _rollout(P=sizes[b])
         return replace(ro, completions=[replace(c, weight_version=0, token_versions=(0, 0)) for c in ro.completions])
 
-    monkeypatch.setattr(async_loop, "collect", collect)
+    monkeypatch.setattr(stale_sync, "collect", collect)
     run, queue = _Run(steps=3, P=P, staleness=2), _Queue()
     producer = Producer(run, queue, next_batch=1, next_seq=0).start()
     try:

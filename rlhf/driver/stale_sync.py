@@ -1,13 +1,13 @@
-"""StaleSync (`stale_sync.max_staleness` > 0): the engines generate the next batches while the trainer
-trains on this one, within the staleness bound, over DistQueue.
+"""StaleSync (`stale_sync.max_staleness` > 0): a rollout source (`rlhf.driver.sources`) whose engines
+generate the next batches while the trainer trains on this one, within the staleness bound, over DistQueue.
 
     producer thread   batch b: wait until the engines serve version b - 1 - max_staleness (the bound and
                       the back-pressure: `rlhf.algorithms.staleness.may_start`), draw prompts, generate,
                       score, dynamic sampling (`rollout.collect`, seeds keyed by b as in the synchronous
                       loop), push the batch's groups to the queue, each with the weight version that made it
-    trainer (here)    step t: take the t-th batch's groups from the queue (oldest first, never one beyond the
-                      bound: older ones are dropped and counted), then `step.learn` as the synchronous loop
-                      does: old logprobs, update, weight sync
+    trainer (the      step t: take the t-th batch's groups from the queue (oldest first, never one beyond the
+    loop's thread)    bound: older ones are dropped and counted), then the loop's step as with any source:
+                      old logprobs, update, weight sync (`step.learn`)
 
 On devices the engines and the trainer share, awake engines (`rollout.sleep_level: 0`) generate beside the
 trainer as on devices of their own; engines that sleep while the trainer works take turns with it
@@ -37,7 +37,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -50,10 +50,8 @@ from rlhf.checkpoint import load_driver_state
 from rlhf.data.prompts import PromptRow
 from rlhf.data.versioned_queue import QueuedGroup
 from rlhf.driver.rollout import Rollout, collect
-from rlhf.driver.run import Run
-from rlhf.driver.step import learn
 from rlhf.driver.turns import DeviceTurns
-from rlhf.parity import logprob_parity
+from rlhf.parity import Parity, logprob_parity
 from rlhf.routing import RouteRef
 from rlhf.schema import RunConfig
 
@@ -68,13 +66,13 @@ class _Stopping(Exception):
     """The producer was stopped while it waited for the devices' turn."""
 
 
-def device_turns(run: Run) -> DeviceTurns | None:
+def device_turns(run) -> DeviceTurns | None:
     """Turns for engines that share devices with the trainer and sleep while it works; None where the two
     can compute at once (devices of their own, or awake engines: `rollout.sleep_level` 0)."""
     shared = run.inputs.device_map.shared("trainer", "rollout")
     if not shared or not run.cfg.rollout.sleep_level:
         return None
-    trace = run.tracker.trace  # each turn on a row of its own: "devices/turns"
+    trace = run.trace  # each turn on a row of its own: "devices/turns"
     return DeviceTurns(WAIT_POLL_S, on_turn=lambda side, t0, dt: trace.add(f"{side} turn", "devices/turns", t0, dt,
                                                                             run.at_step))
 
@@ -82,7 +80,7 @@ def device_turns(run: Run) -> DeviceTurns | None:
 class Producer:
     """Makes batches on a thread of its own, ahead of the trainer within the bound."""
 
-    def __init__(self, run: Run, queue: DistQueue, next_batch: int, next_seq: int, turns: DeviceTurns | None = None):
+    def __init__(self, run, queue: DistQueue, next_batch: int, next_seq: int, turns: DeviceTurns | None = None):
         self.run, self.queue, self.turns = run, queue, turns
         # the reference scores each batch as soon as it is made, beside the trainer's step; taking turns, it
         # stays in the trainer's turn (it shares the devices)
@@ -117,11 +115,11 @@ class Producer:
                     if self.stopping:
                         return
                     b, self.busy = self.next_batch, True
-                run.producer_batch = b  # where chaos kills of its generation land
+                run.faults.producing(b)  # where chaos kills of its generation land
                 t0 = time.time()
                 ro = collect(cfg, run.roles, run.inputs.sampler, run.inputs.tokenizer, b, run.route_stages,
                              turn=self._turn)
-                run.tracker.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
+                run.trace.add("rollout", "driver/producer", t0, time.time() - t0, b)
                 if self.reference_ahead:
                     ro = self._with_reference(ro, b)
                 groups = to_groups(ro, b, self.next_seq)
@@ -150,7 +148,7 @@ class Producer:
         except RoleError as e:
             run.log(f"batch {b}: reference logprobs left to the step: {e}")
             return ro
-        run.tracker.trace.add("reference logprobs", "driver/producer", t0, time.time() - t0, b)
+        run.trace.add("reference logprobs", "driver/producer", t0, time.time() - t0, b)
         return replace(ro, ref_logp=batch.response_rows(ref_BT))
 
     def _turn(self):
@@ -168,7 +166,7 @@ class Producer:
         """Block until `until()` (read under the lock) or the producer fails; meanwhile replace the engines the
         producer found dead (the trainer is idle here), or it would wait for us as we wait for it."""
         while True:
-            self.run.serve_recoveries()
+            self.run.faults.serve_recoveries()
             with self.cond:
                 self.check()
                 if until():
@@ -177,7 +175,7 @@ class Producer:
                 if done or not self.thread.is_alive():
                     raise ProducerError(f"the rollout producer made every batch up to {self.last_batch} and the "
                                         "trainer's batch is still short")
-                if not self.run.recovery_pending():
+                if not self.run.faults.recovery_pending():
                     self.cond.wait(WAIT_POLL_S)
 
     def notify(self) -> None:
@@ -201,12 +199,12 @@ class Producer:
         with self.cond:
             self.paused = True
         while True:  # an engine the batch in flight found dead is replaced here, or the batch never finishes
-            self.run.serve_recoveries()
+            self.run.faults.serve_recoveries()
             with self.cond:
                 if not self.busy or self.error is not None:
                     self.check()
                     break
-                if not self.run.recovery_pending():
+                if not self.run.faults.recovery_pending():
                     self.cond.wait(WAIT_POLL_S)
         try:
             yield
@@ -222,6 +220,16 @@ class Producer:
         self.thread.join(timeout_s)
 
 
+# A queued sample, JSON-able (in DistQueue and in a checkpoint's queue): its named fields. A checkpoint written
+# before they were named holds a list of them in this order, the routes missing where it predates them.
+SAMPLE_FIELDS = ("token_ids", "logp", "finish_reason", "weight_version", "token_versions", "routes")
+
+
+def sample_fields(c: dict | list) -> dict:
+    """A queued sample as its named fields, whichever form the queue or checkpoint holds."""
+    return c if isinstance(c, dict) else dict(zip(SAMPLE_FIELDS, list(c) + [None] * (len(SAMPLE_FIELDS) - len(c))))
+
+
 def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
     """A batch's groups as queue entries (payloads JSON-able but for each sample's `RouteRef`, which
     `queue_state_saved` turns into JSON). The batch's own statistics ride on its first group, so they are
@@ -234,8 +242,9 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
     for i, row in enumerate(ro.rows):
         comps = ro.completions[i * G:(i + 1) * G]
         payload = {"row": [row.prompt, row.answer, row.source], "prompt_ids": list(ro.prompt_ids[i]),
-                   "completions": [[list(c.token_ids), list(c.logp), c.finish_reason, c.weight_version,
-                                    list(c.token_versions), c.routes] for c in comps],
+                   "completions": [{"token_ids": list(c.token_ids), "logp": list(c.logp),
+                                    "finish_reason": c.finish_reason, "weight_version": c.weight_version,
+                                    "token_versions": list(c.token_versions), "routes": c.routes} for c in comps],
                    "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
                    "batch_stats": stats if i == 0 else None}
         if ro.ref_logp is not None:
@@ -247,44 +256,47 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
 ROUTE_BLOCKS = "queue_routes.safetensors"  # in a StaleSync checkpoint: the route blocks of queued samples
 
 
+def _with_samples(state: dict, f: Callable[[dict], dict]) -> dict:
+    """The queue's state with `f` applied to each sample's named fields."""
+    return state | {"groups": [g | {"payload": g["payload"] | {"completions": [f(sample_fields(c)) for c in
+                                                                               g["payload"]["completions"]]}}
+                               for g in state["groups"]]}
+
+
 def queue_state_saved(state: dict, d: Path, save: Callable | None = None) -> dict:
     """The queue's state (`DistQueue.state`) for a checkpoint in `d`, JSON-able: each sample's routes
     (a `RouteRef`) as its rows and block numbers, the blocks written to d/ROUTE_BLOCKS by `save(path, refs)`
     (`actors.route_blocks.save_route_blocks`: a task reads them, the driver never holds them)."""
     blocks: dict = {}
 
-    def out(c: list) -> list:
-        r = c[5] if len(c) > 5 else None
-        if r is None:
-            return c[:5] + [None]
-        return c[:5] + [{"start": r.start, "positions": r.positions, "itemsize": r.itemsize,
-                         "blocks": [blocks.setdefault(b, len(blocks)) for b in r.blocks]}]
+    def out(c: dict) -> dict:
+        r = c["routes"]
+        return c if r is None else c | {"routes": {
+            "start": r.start, "positions": r.positions, "itemsize": r.itemsize,
+            "blocks": [blocks.setdefault(b, len(blocks)) for b in r.blocks]}}
 
-    groups = [g | {"payload": g["payload"] | {"completions": [out(c) for c in g["payload"]["completions"]]}}
-              for g in state["groups"]]
+    saved = _with_samples(state, out)
     if blocks:
         (save or save_route_blocks)(d / ROUTE_BLOCKS, list(blocks))
-    return state | {"groups": groups}
+    return saved
 
 
 def queue_state_loaded(state: dict, d: Path, load: Callable | None = None) -> dict:
     """`queue_state_saved` undone: the routes of queued samples as `RouteRef`s to blocks read back into the
     object store by `load(path, n)` (`actors.route_blocks.load_route_blocks`)."""
-    saved = [c[5] for g in state["groups"] for c in g["payload"]["completions"] if len(c) > 5 and c[5]]
+    saved = [r for g in state["groups"] for c in g["payload"]["completions"] if (r := sample_fields(c)["routes"])]
     if any("blocks" not in r for r in saved):
         raise ValueError(f"checkpoint {d} holds queued routes inline (written before route blocks); resume it "
                          "with rollout.capture_routes=false trainer.routing_replay=off, or start the run afresh")
     n = max((i + 1 for r in saved for i in r["blocks"]), default=0)
     refs = (load or load_route_blocks)(d / ROUTE_BLOCKS, n) if n else []
 
-    def back(c: list) -> list:
-        r = c[5] if len(c) > 5 else None  # none in checkpoints written before routes
-        return c[:5] + [None if r is None else RouteRef(r["start"], r["positions"],
-                                                        tuple(refs[i] for i in r["blocks"]), r["itemsize"])]
+    def back(c: dict) -> dict:
+        r = c["routes"]
+        return c if r is None else c | {"routes": RouteRef(r["start"], r["positions"],
+                                                           tuple(refs[i] for i in r["blocks"]), r["itemsize"])}
 
-    return state | {"groups": [g | {"payload": g["payload"] | {"completions": [back(c) for c in
-                                                                               g["payload"]["completions"]]}}
-                               for g in state["groups"]]}
+    return _with_samples(state, back)
 
 
 def to_rollout(groups: list[QueuedGroup]) -> Rollout:
@@ -296,9 +308,9 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
         d = g.payload
         rows.append(PromptRow(*d["row"]))
         prompt_ids.append(d["prompt_ids"])
-        comps += [Completion(p, tuple(ids), tuple(logp), reason, version, tuple(versions),
-                             routes[0] if routes else None)  # a RouteRef (`queue_state_loaded`)
-                  for ids, logp, reason, version, versions, *routes in d["completions"]]
+        for c in map(sample_fields, d["completions"]):
+            comps.append(Completion(p, tuple(c["token_ids"]), tuple(c["logp"]), c["finish_reason"],
+                                    c["weight_version"], tuple(c["token_versions"]), c["routes"]))
         if d["batch_stats"]:
             s = d["batch_stats"]
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
@@ -311,7 +323,7 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
                    [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, dict(verdicts))
 
 
-def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:
+def take_batch(run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:
     """Step `step`'s groups, oldest first, waiting for the producer while the queue holds too few."""
     P, s = run.cfg.data.prompts_per_step, run.cfg.stale_sync.max_staleness
     have: list[QueuedGroup] = []
@@ -321,7 +333,6 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
         got, dropped = queue.take(P - len(have), step, s)
         have += got
         if dropped:  # groups too old to train on: one more batch's worth made for each batch dropped
-            run.samples_dropped = queue.dropped * run.cfg.algorithm.group_size  # the queue counts (and saves) them
             with producer.cond:
                 producer.last_batch += -(-dropped // P)
                 producer.cond.notify_all()
@@ -339,7 +350,7 @@ def take_batch(run: Run, queue: DistQueue, producer: Producer, step: int) -> lis
         producer.wait(lambda: producer.groups_made > made)
 
 
-def producer_from(run: Run, queue: DistQueue, ckpt: Path | None, turns: DeviceTurns | None = None) -> Producer:
+def producer_from(run, queue: DistQueue, ckpt: Path | None, turns: DeviceTurns | None = None) -> Producer:
     """A producer (not started) going on from checkpoint `ckpt` (None: from the run's step, nothing queued):
     a StaleSync checkpoint's queued groups are loaded to be trained on, not made again, and batches are made
     from its cursor."""
@@ -349,89 +360,99 @@ def producer_from(run: Run, queue: DistQueue, ckpt: Path | None, turns: DeviceTu
     if state:
         next_batch, next_seq = state["next_batch"], state["next_seq"]
         run.log(f"resumed {len(state['queue']['groups'])} queued group(s); producing from batch {next_batch}")
-    run.samples_dropped = queue.dropped * run.cfg.algorithm.group_size
-    producer = Producer(run, queue, next_batch, next_seq, turns)
-    run.wake_main = producer.notify
-    run.extra_state = lambda d: {"stale_sync": {"queue": queue_state_saved(queue.state(), d),
-                                                "next_batch": producer.next_batch, "next_seq": producer.next_seq}}
-    return producer
+    return Producer(run, queue, next_batch, next_seq, turns)
 
 
-def train_async(cfg: RunConfig, log) -> dict:
-    run = Run.start(cfg, log)
-    queue = producer = None
-    turns = device_turns(run)
-    try:
-        queue = DistQueue(cfg.stale_sync.queue_shards, timeout_s=run.roles.timeout_s)
-        producer = producer_from(run, queue, run.inputs.resume_dir, turns)
-        acc_start = run.evaluate(run.step)
-        producer.start()
-        step = run.step + 1
-        while step <= cfg.steps:
-            try:
-                async_step(run, queue, producer, step)
-            except RoleError as e:  # a dead trainer or reference rank: all restarted from the last checkpoint
-                died = run.dead_policy_rank(e)
-                if died is None:
-                    raise
-                producer.stop(run.roles.timeout_s)  # its batch in flight finished: the engines are idle
-                if producer.thread.is_alive():
-                    raise ProducerError(f"the rollout producer did not stop within {run.roles.timeout_s:.0f} s to "
-                                        f"restart the trainer after: {died}") from e
-                run.restart_policy(died)  # the weights, optimizer, data cursor and RNG of the checkpoint
-                producer = producer_from(run, queue, run.last_checkpoint or run.inputs.resume_dir, turns)
-                producer.start()
-                step = run.step + 1
-                continue
-            step += 1
-        run.close_recoveries()
-        producer.stop(run.roles.timeout_s)
-        return run.finish(acc_start)
-    except BaseException:
-        run.close_recoveries()
-        if producer is not None:
-            producer.stop(0)
-        run.close(failed=True)
-        raise
-    finally:
-        if queue is not None:
-            queue.close()
+class StaleSync:
+    """The StaleSync rollout source: a `Producer` thread ahead of the trainer within the bound, its batches'
+    groups in a `DistQueue` (both this source's), the devices' turns where the two share devices."""
 
+    phase = "wait for rollouts"
 
-def async_step(run: Run, queue: DistQueue, producer: Producer, step: int) -> None:
-    cfg, t_step, run.at_step = run.cfg, time.time(), step
-    with run.phase("wait for rollouts", step):
-        groups = take_batch(run, queue, producer, step)
-    ro = to_rollout(groups)
-    turns = producer.turns
-    evaluate = step % cfg.eval_every == 0 or step == cfg.steps
-    if turns is None:
-        learned = learn(run, ro, step, switch=False)
-        run.serve_recoveries()  # the engines the producer found dead get version `step` with the others
-        producer.serve(step)
-        acc = run.evaluate(step) if evaluate else None
-    else:  # the devices' turn: engines asleep and the trainer onloaded in it, as the synchronous loop switches
-        with turns.hold("training", lambda: (run.serve_recoveries(), producer.check())):
-            learned = learn(run, ro, step, switch=True)
-            run.serve_recoveries()
-            acc = run.evaluate(step) if evaluate else None  # the engines are awake again: still this turn
-        producer.serve(step)
-    if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-        with producer.paused_between_batches():
-            run.checkpoint(step)
-    batch = learned.batch
-    versions = [c.weight_version for c in ro.completions]
-    fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
-    parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT,
-                            batch.mask_BT * fresh.to(batch.mask_BT.dtype))  # only there must they agree
-    extra = staleness_stats(step, versions) | importance_stats(
-        learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, cfg.algorithm.tis_cap)
-    extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
-              "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
-              "stale/queue_groups": queue.size(), "stale/samples_dropped": run.samples_dropped,
-              "stale/producer_wait_seconds": producer.take_wait_seconds()} | learned.metrics
-    if turns is not None:  # how long each side waited for the devices since the last step
-        waited = turns.take_wait_seconds()
-        extra |= {f"stale/turn_wait_seconds_{side}": round(waited.get(side, 0.0), 3) for side in ("rollout", "training")}
-    run.record(step, ro, batch, learned.entropy, parity, learned.updates, learned.sync, acc,
-               time.time() - t_step, extra)
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.queue: DistQueue | None = None
+        self.producer: Producer | None = None
+        self.turns: DeviceTurns | None = None
+        self.groups: list[QueuedGroup] = []  # the step's, as taken from the queue
+
+    @property
+    def switches(self) -> bool:
+        """Engines that sleep while the trainer works switch in the training turn, as the synchronous loop."""
+        return self.turns is not None
+
+    def wake(self) -> None:
+        if self.producer is not None:
+            self.producer.notify()
+
+    def start(self, run) -> None:
+        """A producer going on from the run's last checkpoint (a trainer restart) or the one it resumed from."""
+        if self.queue is None:
+            self.queue = DistQueue(self.cfg.stale_sync.queue_shards, timeout_s=run.roles.timeout_s)
+            self.turns = device_turns(run)
+        self.producer = producer_from(run, self.queue, run.last_checkpoint or run.inputs.resume_dir, self.turns)
+        self.producer.start()
+
+    def batch(self, run, step: int) -> Rollout:
+        self.groups = take_batch(run, self.queue, self.producer, step)
+        return to_rollout(self.groups)
+
+    def turn(self, run, step: int) -> ContextManager:
+        """The devices' turn: engines asleep and the trainer onloaded in it, as the synchronous loop switches."""
+        if self.turns is None:
+            return nullcontext()
+        return self.turns.hold("training", lambda: (run.faults.serve_recoveries(), self.producer.check()))
+
+    def trained(self, run, step: int) -> None:
+        run.faults.serve_recoveries()  # the engines the producer found dead get version `step` with the others
+        self.producer.serve(step)
+
+    def quiet(self) -> ContextManager:
+        return self.producer.paused_between_batches()
+
+    def state(self, d: Path) -> dict:
+        p = self.producer
+        return {"stale_sync": {"queue": queue_state_saved(self.queue.state(), d), "next_batch": p.next_batch,
+                               "next_seq": p.next_seq}}
+
+    def measure(self, run, step: int, ro: Rollout, learned) -> tuple[Parity, dict]:
+        """Parity on the samples of the weights the step starts from (only there must trainer and engines agree);
+        the staleness, the importance weights' spread, the queue, and the waits."""
+        batch, groups = learned.batch, self.groups
+        versions = [c.weight_version for c in ro.completions]
+        fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
+        parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT, batch.mask_BT * fresh.to(batch.mask_BT.dtype))
+        extra = staleness_stats(step, versions) | importance_stats(
+            learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, self.cfg.algorithm.tis_cap)
+        extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
+                  "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
+                  "stale/queue_groups": self.queue.size(), "stale/samples_dropped": self.samples_dropped,
+                  "stale/producer_wait_seconds": self.producer.take_wait_seconds()}
+        if self.turns is not None:  # how long each side waited for the devices since the last step
+            waited = self.turns.take_wait_seconds()
+            extra |= {f"stale/turn_wait_seconds_{side}": round(waited.get(side, 0.0), 3)
+                      for side in ("rollout", "training")}
+        return parity, extra
+
+    @property
+    def samples_dropped(self) -> int:
+        """Samples too old to train on (the queue counts, and saves, the groups)."""
+        return (self.queue.dropped if self.queue is not None else 0) * self.cfg.algorithm.group_size
+
+    def stop(self, timeout_s: float, restarting: BaseException | None = None) -> None:
+        """`restarting`: the trainer restarts after it, and a producer still running past `timeout_s` (its batch
+        in flight never ends) raises: the engines would not be idle."""
+        if self.producer is None:
+            return
+        self.producer.stop(timeout_s)
+        if restarting is not None and self.producer.thread.is_alive():
+            raise ProducerError(f"the rollout producer did not stop within {timeout_s:.0f} s to restart the trainer "
+                                f"after: {restarting}") from restarting
+
+    def result(self) -> dict:
+        return {"samples_dropped": self.samples_dropped}
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
