@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from actors.remote import RoleError, RoleHandle, call_all, call_each, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
-from actors.vllm_platform import SHUTDOWN_GRACE_S
+from actors.vllm.platform import SHUTDOWN_GRACE_S
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import RewardKind, RoutingReplay, RunConfig
 
@@ -65,7 +65,7 @@ class Roles:
 
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
-        from actors.vllm_engine import VLLMEngine
+        from actors.vllm.engine import VLLMEngine
         from rlhf.parallel.comm import backend_for
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
@@ -253,7 +253,7 @@ class Roles:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
         Prompt i is seeded `prompt_seed(seed, i)`, or `seeds[i]` where given.
 
-        `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.routing.RouteRef`
+        `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.moe.routing.RouteRef`
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
         and never fetched here; without it the engines drop the call's routes.
 

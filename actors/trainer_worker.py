@@ -23,11 +23,11 @@ from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
 from rlhf.host_memory import small_onednn_cache, trim_heap
-from rlhf.routing import RouteFetch, RouteShare
+from rlhf.moe.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer
-from rlhf.layout import trainer_layout
+from rlhf.sharding.layout import trainer_layout
 
 
 def _node_id() -> str:

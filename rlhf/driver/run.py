@@ -33,17 +33,18 @@ from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts
 from rlhf.data.sandbox import parse_tests
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.balance import ExpertBalance
+from rlhf.driver.expert_balance import ExpertBalance
 from rlhf.driver.faults import Faults
 from rlhf.driver.metrics import step_metrics
 from rlhf.driver.record import Recorder
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
-from rlhf.routing import RouteFetch
+from rlhf.moe.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
-from rlhf.placement.transfer import SyncLayout, sync_layout
+from rlhf.placement.transfer import sync_layout
+from rlhf.sharding.sync import SyncLayout
 from rlhf.schema import DeviceType, RewardKind, RunConfig
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tiny import make_tiny_args

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
