@@ -2,7 +2,7 @@
 for the console and one summary dict. Plans the sync (seconds for a 718B model); starts nothing. Pure.
 
 Its memory per device (parameters, gradients, optimizer state, engine weights and KV) is the memory model's
-(`rlhf.placement.memory` over `rlhf.sim.memory`, the one `rlhf simulate` prices with); given a hardware file's
+(`rlhf.placement.device_memory` over `rlhf.sim.memory`, the one `rlhf simulate` prices with); given a hardware file's
 figures (`simulate.memory_by_role`) it adds what a run holds beyond them: activations and runtime."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rlhf.sharding.layout import InferenceLayout, Layout
 from rlhf.model.shapes import route_bytes_per_step
 from rlhf.placement.device_map import DeviceMap, device_map
 from rlhf.placement.devices import abbreviate, format_devices
-from rlhf.placement.memory import GIB, device_bytes, memory_notes, rank_bytes
+from rlhf.placement.device_memory import GIB, device_bytes, memory_notes, rank_bytes
 from rlhf.placement.ray_slots import placement_bundles
 from rlhf.placement.transfer import sync_layout
 from rlhf.schema import RunConfig

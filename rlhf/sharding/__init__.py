@@ -9,5 +9,5 @@
 
 The specs and the planner are `weight_sync.spec` and `weight_sync.plan` (the layer below, with no model
 knowledge); the executors that run a plan (`weight_sync.p2p`, `shm`), the trainer's parallel code
-(`rlhf.parallel`) and the memory estimate (`rlhf.placement.memory`) read their slices from here.
+(`rlhf.parallel`) and the memory estimate (`rlhf.placement.device_memory`) read their slices from here.
 """

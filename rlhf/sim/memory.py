@@ -1,6 +1,6 @@
 """The memory model: what each role keeps resident on its busiest device, from shapes alone (`ModelCost`), a
 candidate's layouts and the hardware. Pure Python over numbers. The one model both `rlhf simulate` (and its
-search) and `rlhf plan` (`rlhf.placement.memory`, per device of a placement) count memory with.
+search) and `rlhf plan` (`rlhf.placement.device_memory`, per device of a placement) count memory with.
 
     state      a trainer rank's parameters, gradients and AdamW state (`trainer_state_bytes`); the reference's
                parameters; an engine rank's weights (`engine_rank_params`): tensor for tensor what the shard specs

@@ -25,7 +25,7 @@ from rlhf.config import load_run_config
 from rlhf.sharding.layout import inference_layout, trainer_layout
 from rlhf.sharding.engine import engine_shard_spec
 from rlhf.sharding.trainer import trainer_shard_spec
-from rlhf.placement.memory import rank_bytes
+from rlhf.placement.device_memory import rank_bytes
 from rlhf.report import candidate_of
 from rlhf.sharding.trainer import grad_reduced_over_stage, is_frozen, zero3_axis
 from rlhf.sim.memory import engine_rank_params, reference_state_bytes, trainer_state_bytes
