@@ -31,6 +31,7 @@ from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued
 from rlhf.config.load import as_dict
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts, valid_answers
 from rlhf.data.sandbox import parse_tests
+from rlhf.data.sandbox_box import isolation_problem
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.driver.expert_balance import ExpertBalance
@@ -45,7 +46,7 @@ from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
 from rlhf.placement.transfer import sync_layout
 from rlhf.sharding.sync import SyncLayout
-from rlhf.schema import DeviceType, RewardKind, RunConfig
+from rlhf.schema import DeviceType, RewardKind, RunConfig, SandboxIsolation
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tiny import make_tiny_args
 from rlhf.tracking import Trace, Tracker
@@ -93,6 +94,14 @@ class RunInputs:
                 raise DatasetError(f"data.{key}: {e}") from None
 
         train_rows, heldout = prompts("train_files"), prompts("heldout_files").rows
+        if cfg.reward.kind is RewardKind.code:
+            sandbox = cfg.reward.sandbox
+            problem = isolation_problem(sandbox)  # the driver's machine; each reward worker checks its own
+            if problem:
+                raise ConfigError(problem)
+            if sandbox.isolation is SandboxIsolation.process:
+                log("warning: reward.sandbox.isolation=process: the policy's programs run without the box; they can "
+                    "read what the reward workers' user can and reach the network (docs/security.md)")
         c = cfg.checkpoint
         resume_dir = resolve_resume(Path(c.dir), c.resume)
         problem = (fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)

@@ -52,8 +52,9 @@ def simulate(cfg: RunConfig, hw: Hardware, prompt_tokens: float | None = None, r
 
 def memory_by_role(cfg: RunConfig, hw: Hardware) -> dict:
     """The memory model's figures (GiB) on the busiest device of each role of `cfg` on `hw`, for `rlhf plan`:
-    'state' (parameters, gradients, optimizer state; engine weights), 'total' adds activations, the logits chunk and ZeRO-3's gathered layer (trainer), the KV cache
-    (rollout: `kv_cache`) and each process's runtime (the hardware file's runtime_gib)."""
+    'state' (parameters, gradients, optimizer state; engine weights), 'total' adds activations, the logits chunk
+    and ZeRO-3's gathered layer (trainer), the KV cache (rollout: `kv_cache`) and each process's runtime (the
+    hardware file's runtime_gib)."""
     mc, w, c = model_cost(cfg.model), workload(cfg), candidate_of(cfg)
     rt = hw.runtime_gib
     t_rt, e_rt = rt.get("trainer", 0.0), rt.get("engine", 0.0)

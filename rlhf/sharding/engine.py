@@ -1,9 +1,10 @@
 """How a vLLM engine shards the model, declared as data: the shard spec of each engine rank's buffers, in
 HF names. Pure. The other side of a weight sync from `rlhf.sharding.trainer` (the trainer's).
 
-One engine (`rlhf.sharding.layout.InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a multiple
-of tp). With ep > tp the engine runs vLLM's data-parallel attention: ep / tp groups of tp consecutive ranks, each group holding the
-attention, dense MLPs, shared experts, norms and vocabulary split over its tp ranks; the routed
+One engine (`rlhf.sharding.layout.InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a
+multiple of tp). With ep > tp the engine runs vLLM's data-parallel attention: ep / tp groups of tp consecutive
+ranks, each group holding the attention, dense MLPs, shared experts, norms and vocabulary split over its tp
+ranks; the routed
 experts are split over all W ranks by an expert map (whole experts, as vLLM's expert parallelism
 does). With ep == 1 every rank holds all experts with the intermediate dim split over tp.
 

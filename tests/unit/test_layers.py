@@ -24,7 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rlhf", "actors", "weight_sync")
-MAX_LINES = 500
+# A file grows until it holds two concepts, then splits along the seam between them, not at a count of lines;
+# past this many it almost surely holds two (a smell alarm, not the rule that decides a split)
+MAX_LINES = 800
 
 NO_TORCH = ("rlhf.schema", "rlhf.errors", "rlhf.config", "rlhf.sharding", "rlhf.model.shapes",
             "rlhf.placement", "rlhf.micro_batches",
@@ -197,7 +199,7 @@ def test_no_cycle_between_sub_packages():
     assert _cycles(units) == []
 
 
-def test_no_library_file_over_500_lines():
+def test_no_library_file_over_the_smell_alarm():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these along a seam a reader would recognise: {long}"
 
