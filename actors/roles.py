@@ -142,7 +142,7 @@ class Roles:
         """Trainer and reference ranks form their process groups and load their shards."""
         for group in (self.trainer, self.reference):
             if group:
-                addr = group[0].call("address")
+                addr = group[0].call("address", self.local)
                 call_all([(h, "init", addr, {}) for h in group], START_TIMEOUT_S)
         self.policy_pids = call_all([(h, "pid", (), {}) for h in self.trainer + self.reference], START_TIMEOUT_S)
 
@@ -163,10 +163,15 @@ class Roles:
         """The weight-sync layout changed (experts moved): the group re-forms by it from now on."""
         self.sync_layout = sync_layout
 
+    @property
+    def local(self) -> bool:
+        """Every role on one node (one placement group per node): the groups listen on loopback alone."""
+        return len(self.placement_groups) == 1
+
     def join_sync(self) -> None:
         """Every trainer rank and engine (re)joins the weight-sync group, on a fresh port: the group is
         stateless, so a replaced member means a new group for all (each leaves its old one first)."""
-        host, port = self.trainer[0].call("address")
+        host, port = self.trainer[0].call("address", self.local)
         lay = self.sync_layout
         call_all([(h, "join_sync", (host, port, lay.world_size), {}) for h in self.trainer]
                  + [(e, "join_sync", (host, port, lay.engine_ranks(k)[0], lay.world_size, self.sync_backend,

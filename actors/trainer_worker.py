@@ -54,8 +54,8 @@ class PolicyWorker:
         self.layout = trainer_layout(trainer_cfg)
         self.trainer: ParallelTrainer | None = None
 
-    def address(self) -> tuple[str, int]:
-        return node_address()
+    def address(self, local: bool = False) -> tuple[str, int]:
+        return node_address(local)
 
     def pid(self) -> int:
         return os.getpid()

@@ -146,8 +146,8 @@ class VLLMEngine:
                 "seconds": time.perf_counter() - t0, "workers": len(replies)}
 
     # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
-    def address(self) -> tuple[str, int]:
-        return node_address()
+    def address(self, local: bool = False) -> tuple[str, int]:
+        return node_address(local)
 
     def pid(self) -> int:
         return os.getpid()

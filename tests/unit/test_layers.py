@@ -36,7 +36,7 @@ TOP = ("rlhf.driver", "rlhf.cli")  # may import actors
 ROLE_LAYER = ("actors",) + TOP  # may import ray and vllm
 TORCH_SIDES = (("rlhf.model", "rlhf.parallel"), ("weight_sync",))  # neither imports the other's torch code
 SHARED_BY_SIDES = ("rlhf.model.shapes", "rlhf.sharding",
-                   "weight_sync.spec", "weight_sync.plan", "weight_sync.pieces")
+                   "weight_sync.spec", "weight_sync.plan", "weight_sync.pieces", "weight_sync.store")
 
 
 def _within(module: str, prefixes) -> bool:
