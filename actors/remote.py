@@ -255,16 +255,18 @@ def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float
     return RoleHandle(actor, role, rank, probe_s=probe_s)
 
 
-def node_address() -> tuple[str, int]:
-    """This node's address and a free TCP port on it (rank 0 of a group hosts the group's store there). The port
-    is probed on every interface, as torch's TCPStore listens: a port free on the node's address alone may be
-    taken on another (seen as EADDRINUSE when the store started)."""
-    try:
-        import ray
+def node_address(local: bool = False) -> tuple[str, int]:
+    """The address rank 0 of a group hosts the group's store on, and a free TCP port there: 127.0.0.1 for a
+    `local` run (every role on one node: the groups listen on loopback alone, weight_sync.store), else this
+    node's address."""
+    host = "127.0.0.1"
+    if not local:
+        try:
+            import ray
 
-        host = ray.util.get_node_ip_address()
-    except Exception:
-        host = "127.0.0.1"
+            host = ray.util.get_node_ip_address()
+        except Exception:
+            pass
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return host, s.getsockname()[1]

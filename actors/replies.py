@@ -22,7 +22,7 @@ class LogprobsReply:
     start: float
     seconds: float
     # with engine routes in the batch: per token [rows, T], how many MoE layers chose another top-k set than
-    # the engine (the first forward of the step, rlhf.routing.RouteStats)
+    # the engine (the first forward of the step, rlhf.moe.routing.RouteStats)
     route_differs: Optional[torch.Tensor] = None
 
 
@@ -81,7 +81,7 @@ class ReceiveReply:
     seconds: float
     ranks: tuple[int, ...] = ()  # transfer rank of each worker
     bytes_per_rank: tuple[int, ...] = ()  # bytes each worker received (network + shared memory)
-    install_path: str = ""  # "direct", "reload" (vLLM's) or "in place" (`actors.vllm_worker_ext.rlhf_install`)
+    install_path: str = ""  # "direct", "reload" (vLLM's) or "in place" (`actors.vllm.worker_ext.rlhf_install`)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,12 @@ class RuleRewardWorker:
                              f"{[k.value for k in RULES]}")
         self.kind, self.sandbox = kind, sandbox
         if kind is RewardKind.code:  # precompiled headers of code workers killed on this machine (100 MB each)
+            from rlhf.data.sandbox_box import isolation_problem
             from rlhf.data.sandbox_cpp import remove_dead_dirs
 
+            problem = isolation_problem(sandbox)  # this worker's machine, which may not be the driver's
+            if problem:
+                raise RuntimeError(problem)
             remove_dead_dirs()
 
     def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from actors.remote import RoleError, RoleHandle, call_all, call_each, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
-from actors.vllm_platform import SHUTDOWN_GRACE_S
+from actors.vllm.platform import SHUTDOWN_GRACE_S
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import RewardKind, RoutingReplay, RunConfig
 
@@ -65,7 +65,7 @@ class Roles:
 
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
-        from actors.vllm_engine import VLLMEngine
+        from actors.vllm.engine import VLLMEngine
         from rlhf.parallel.comm import backend_for
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
@@ -142,7 +142,7 @@ class Roles:
         """Trainer and reference ranks form their process groups and load their shards."""
         for group in (self.trainer, self.reference):
             if group:
-                addr = group[0].call("address")
+                addr = group[0].call("address", self.local)
                 call_all([(h, "init", addr, {}) for h in group], START_TIMEOUT_S)
         self.policy_pids = call_all([(h, "pid", (), {}) for h in self.trainer + self.reference], START_TIMEOUT_S)
 
@@ -163,10 +163,15 @@ class Roles:
         """The weight-sync layout changed (experts moved): the group re-forms by it from now on."""
         self.sync_layout = sync_layout
 
+    @property
+    def local(self) -> bool:
+        """Every role on one node (one placement group per node): the groups listen on loopback alone."""
+        return len(self.placement_groups) == 1
+
     def join_sync(self) -> None:
         """Every trainer rank and engine (re)joins the weight-sync group, on a fresh port: the group is
         stateless, so a replaced member means a new group for all (each leaves its old one first)."""
-        host, port = self.trainer[0].call("address")
+        host, port = self.trainer[0].call("address", self.local)
         lay = self.sync_layout
         call_all([(h, "join_sync", (host, port, lay.world_size), {}) for h in self.trainer]
                  + [(e, "join_sync", (host, port, lay.engine_ranks(k)[0], lay.world_size, self.sync_backend,
@@ -253,7 +258,7 @@ class Roles:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
         Prompt i is seeded `prompt_seed(seed, i)`, or `seeds[i]` where given.
 
-        `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.routing.RouteRef`
+        `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.moe.routing.RouteRef`
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
         and never fetched here; without it the engines drop the call's routes.
 

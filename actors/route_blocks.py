@@ -1,4 +1,4 @@
-"""Routing replay's route blocks (`rlhf.routing.RouteRef`) into and out of a checkpoint, by Ray tasks: the
+"""Routing replay's route blocks (`rlhf.moe.routing.RouteRef`) into and out of a checkpoint, by Ray tasks: the
 blocks go between the object store and the file without passing through the driver, which holds only their
 references. A StaleSync checkpoint keeps the routes of the groups queued ahead of it this way."""
 

@@ -23,11 +23,11 @@ from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
 from rlhf.host_memory import small_onednn_cache, trim_heap
-from rlhf.routing import RouteFetch, RouteShare
+from rlhf.moe.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
 from rlhf.parallel.trainer import ParallelTrainer
-from rlhf.layout import trainer_layout
+from rlhf.sharding.layout import trainer_layout
 
 
 def _node_id() -> str:
@@ -54,8 +54,8 @@ class PolicyWorker:
         self.layout = trainer_layout(trainer_cfg)
         self.trainer: ParallelTrainer | None = None
 
-    def address(self) -> tuple[str, int]:
-        return node_address()
+    def address(self, local: bool = False) -> tuple[str, int]:
+        return node_address(local)
 
     def pid(self) -> int:
         return os.getpid()

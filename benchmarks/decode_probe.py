@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.schema import DeviceType
 
     rollout = replace(cfg.rollout, engine_core_in_process=True)

@@ -22,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3_moe_tiny,qwen3_moe_small")
     args = ap.parse_args()
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.config import load_model_config
     from rlhf.schema import RolloutConfig
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer

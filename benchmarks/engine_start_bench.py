@@ -6,7 +6,7 @@ Each start is a fresh process that hosts nothing but the engine, as an engine's 
 (`VLLMEngine(..., own_process=True)`): it imports vLLM, starts an engine of the tiny Qwen3-MoE policy (random
 weights, written once by this script) with `--tp` workers, and closes it. Measured per start: wall seconds
 until the engine serves, and the CPU seconds of the process and its children (vLLM's worker processes at
-TP > 1) until it exits. Every round runs one start with the heap frozen (`actors.vllm_platform.freeze_heap`,
+TP > 1) until it exits. Every round runs one start with the heap frozen (`actors.vllm.platform.freeze_heap`,
 the default) and one without (`RLHF_FREEZE_HEAP=0`), interleaved. The last line is one JSON object: per TP
 degree, each side's median wall and CPU seconds and their ratios.
 """
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _child(model_dir: str, tp: int) -> None:
     t0 = time.perf_counter()
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.schema import RolloutConfig
 
     engine = VLLMEngine(model_dir, RolloutConfig(tp=tp, cpu_kv_cache_gib=0.25), max_model_len=64, own_process=True)

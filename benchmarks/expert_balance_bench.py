@@ -11,7 +11,7 @@ sit on EP rank 0. The boost is the smallest on a grid that puts 2x the mean toke
 rank (EP 2: 1.9x; all tokens on one of two ranks is 2x).
 
 For each EP degree two runs of the same trainer on the same batches: `unbalanced` keeps the contiguous map;
-`balanced` trains one step, plans every layer from that step's loads (`rlhf.expert_balance.plan`) and
+`balanced` trains one step, plans every layer from that step's loads (`rlhf.moe.balance.plan`) and
 migrates the experts with their AdamW moments (`ParallelTrainer.migrate_experts`); then both time the same
 `--steps` update steps (the slowest rank per step). The busiest EP rank's tokens over the mean is measured in
 the timed steps under the map each run uses. Each rank's CPU seconds per step are measured too: where ranks
@@ -82,7 +82,7 @@ def skewed_model(boost: float, experts: int = 8, seed: int = 0):
 
 def rank_load_ratio(loads, maps, ep: int) -> float:
     """The worst layer's tokens on the busiest EP rank over the mean."""
-    from rlhf.expert_balance import rank_loads
+    from rlhf.moe.balance import rank_loads
 
     worst = 0.0
     for row, emap in zip(loads, maps):
@@ -99,9 +99,9 @@ def busiest_cpu_seconds(results: list[dict], steps: int) -> float:
 def worker(rank: int, model_dir: str, ep: int, balanced: bool, steps: int, experts: int) -> dict:
     import torch
 
-    from rlhf import expert_balance
+    from rlhf.moe import balance as expert_balance
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
-    from rlhf.layout import Layout
+    from rlhf.sharding.layout import Layout
     from rlhf.parallel.trainer import ParallelTrainer
     from rlhf.schema import AlgorithmConfig, TrainerConfig
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from rlhf.layout import default_expert_map
+    from rlhf.sharding.layout import default_expert_map
     from rlhf.model.hf_io import save_pretrained
     from rlhf.parallel.launch import run_ranks
 

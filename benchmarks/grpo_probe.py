@@ -55,7 +55,7 @@ def main() -> None:
 
     import torch
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.algorithms.advantages import grpo_advantages, nonzero_variance_groups
     from rlhf.algorithms.losses import aggregate, kl_penalty, ppo_clip_loss
     from rlhf.schema import KLEstimator, LossAggregation, RolloutConfig

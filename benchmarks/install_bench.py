@@ -1,6 +1,6 @@
 """The engine-side install of a weight sync on CPU, side by side: vLLM's layer-wise reload as it comes
-(`plain`), the same reload with its element counts remembered (`remembered`, `actors.vllm_worker_ext.
-_counts_remembered`), and the direct install from the staging buffers (`direct`, `actors.vllm_install`),
+(`plain`), the same reload with its element counts remembered (`remembered`, `actors.vllm.worker_ext.
+_counts_remembered`), and the direct install from the staging buffers (`direct`, `actors.vllm.install`),
 which the loop uses where the model's layers allow it.
 
     python -m benchmarks.install_bench                                    # the tiny model, 8 rounds
@@ -46,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from benchmarks.reshard_loop import write_policy
     from rlhf.config import load_model_config
-    from rlhf.layout import InferenceLayout
-    from rlhf.model.engine_sharding import engine_shard_spec
+    from rlhf.sharding.layout import InferenceLayout
+    from rlhf.sharding.engine import engine_shard_spec
     from rlhf.model.hf_io import to_hf_tensors
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
     from rlhf.schema import RolloutConfig

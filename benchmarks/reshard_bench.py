@@ -31,10 +31,10 @@ import sys
 import time
 
 from rlhf.config import load_model_config
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.plan import Topology, plan_reshard
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.sharding.trainer import trainer_shard_spec
 
 
 def parse_layout(cls, text: str):

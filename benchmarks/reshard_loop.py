@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rlhf.config import ModelConfig, load_run_config
 from rlhf.config.validate import validate_run
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.layout import InferenceLayout, Layout
 
 REPO = Path(__file__).resolve().parents[1]
 

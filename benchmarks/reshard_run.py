@@ -24,10 +24,10 @@ import torch.distributed as dist
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import to_hf_tensors, torch_dtype
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Plan, Topology, plan_reshard
 

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.batch import TokenBatch
     from rlhf.config import load_model_config
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
     from rlhf.parallel.trainer import token_logprobs
     from rlhf.parity import logprob_parity
-    from rlhf.routing import RouteStats, Routing
+    from rlhf.moe.routing import RouteStats, Routing
     from rlhf.schema import DType, RolloutConfig
 
     if args.policy:

@@ -5,6 +5,7 @@
     python -m benchmarks.sandbox_bench --cases 20           # stdin/stdout samples of 20 cases (CodeContests-like)
     python -m benchmarks.sandbox_bench --start fork         # only the default start (a fork of a warm interpreter)
     python -m benchmarks.sandbox_bench --language cpp       # C++ programs: a compile, then a run per case
+    python -m benchmarks.sandbox_bench --hostile            # the hostile battery in the box: every attack fails
 
 Each sample is a short program scored in the sandbox (`rlhf.data.sandbox.check_batch`): half assert-style (a
 function and three asserts, one run), half stdin/stdout (`--cases` cases, 3 by default, a run each); a quarter of
@@ -12,9 +13,14 @@ the programs are wrong. `--language cpp`: every sample a C++ stdin/stdout progra
 default `reward.sandbox.cpp_command`), a quarter wrong. Every configuration is timed `--rounds` times, interleaved;
 the median wall-clock seconds over the samples is the seconds per sample a reward worker with that many `processes`
 spends. Both ways to start a sample's process are timed side by side (`--start`): `fork` (a fork of a warm
-interpreter, `reward.sandbox.fork_server: true`, the default) and `fresh` (a new interpreter per sample). Ends with
-one JSON line (`seconds_per_sample` per start and processes setting, `fork_speedup` per processes setting, and the
-runs per sample).
+interpreter, `reward.sandbox.fork_server: true`, the default) and `fresh` (a new interpreter per sample), each in
+the box and without it (`--isolation`: `kernel`, the default, and `process`). Ends with one JSON line
+(`seconds_per_sample` per isolation, start and processes setting, `fork_speedup` per processes setting, `box_cost`:
+the box's seconds over the same without it, and the runs per sample).
+
+`--hostile` runs rlhf/data/sandbox_hostile.py's battery (Python, and C++ where g++ is installed) in the box instead:
+one line per attack with its verdict, then a JSON line (`worked`: attacks that got what they came for, which must
+be none; the loopback listener's connections; processes left behind).
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="how each sample's process starts: fork (reward.sandbox.fork_server: true) or fresh")
     parser.add_argument("--language", choices=["python", "cpp"], default="python",
                         help="cpp: C++ stdin/stdout programs, each compiled (g++) before its cases run")
+    parser.add_argument("--isolation", choices=["kernel", "process"], nargs="+", default=["kernel", "process"],
+                        help="reward.sandbox.isolation: kernel (the box) and process, side by side")
+    parser.add_argument("--hostile", action="store_true", help="run the hostile battery in the box and report it")
     parser.add_argument("--cpp-include", default="cstdio",
                         help="the header the C++ programs include (bits/stdc++.h, as contest solutions do, compiles "
                              "far slower)")
@@ -79,30 +88,34 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf.data.sandbox import check_batch
     from rlhf.data.sandbox_exec import close_all
-    from rlhf.schema import SandboxConfig
+    from rlhf.schema import SandboxConfig, SandboxIsolation
+
+    if args.hostile:
+        return hostile(args.timeout_s)
 
     responses, answers, runs = samples(args.samples, args.cases, args.language, args.cpp_include)
     expected = [0.0 if i % 4 == 3 else 1.0 for i in range(args.samples)]
     # C++: with the precompiled header (the default) and without it, side by side
     headers = {"pch": SandboxConfig.cpp_precompiled_header, "plain": ""} if args.language == "cpp" else {"": ""}
-    setups = [(start, p, h) for start in args.start for p in args.processes for h in headers]
+    setups = [(iso, start, p, h) for iso in args.isolation for start in args.start for p in args.processes
+              for h in headers]
     name = {k: "/".join(str(x) for x in k if x != "") for k in setups}
     times: dict[tuple, list[float]] = {k: [] for k in setups}
     extra = {}
     try:
         if args.language == "cpp":  # built once per worker process, before the first C++ sample: timed apart
             t0 = time.perf_counter()
-            check_batch(responses[:1], answers[:1], SandboxConfig(processes=1))
+            check_batch(responses[:1], answers[:1], SandboxConfig(processes=1, isolation=SandboxIsolation.process))
             extra["pch_build_and_first_sample_seconds"] = round(time.perf_counter() - t0, 3)
         for _ in range(args.rounds):
-            for start, p, h in setups:
+            for iso, start, p, h in setups:
                 cfg = SandboxConfig(timeout_s=args.timeout_s, processes=p, fork_server=start == "fork",
-                                    cpp_precompiled_header=headers[h])
+                                    cpp_precompiled_header=headers[h], isolation=SandboxIsolation(iso))
                 t0 = time.perf_counter()
                 scores = [r.score for r in check_batch(responses, answers, cfg)]
-                times[start, p, h].append(time.perf_counter() - t0)
+                times[iso, start, p, h].append(time.perf_counter() - t0)
                 if scores != expected:
-                    raise SystemExit(f"{name[start, p, h]}: scores {scores} differ from the expected {expected}")
+                    raise SystemExit(f"{name[iso, start, p, h]}: scores {scores} differ from the expected {expected}")
     finally:
         close_all()  # the warm interpreters
     per_sample = {name[k]: round(statistics.median(t) / args.samples, 4) for k, t in times.items()}
@@ -110,16 +123,81 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name[k]}: {', '.join(f'{s:.2f}' for s in t)} s for {args.samples} samples "
               f"({per_sample[name[k]] * 1000:.1f} ms a sample)", flush=True)
     h = "/pch" if args.language == "cpp" else ""
-    speedup = {str(p): round(per_sample[f"fresh/{p}{h}"] / per_sample[f"fork/{p}{h}"], 2)
+    iso = args.isolation[0]
+    speedup = {str(p): round(per_sample[f"{iso}/fresh/{p}{h}"] / per_sample[f"{iso}/fork/{p}{h}"], 2)
                for p in args.processes if len(args.start) == 2}
+    if len(args.isolation) == 2:
+        extra["box_cost"] = {f"{start}/{p}{hh}": round(per_sample[f"kernel/{start}/{p}{hh}"]
+                                                        / per_sample[f"process/{start}/{p}{hh}"], 2)
+                             for start in args.start for p in args.processes for hh in ({h} | {""} if h else {""})
+                             if f"kernel/{start}/{p}{hh}" in per_sample}
     if args.language == "cpp":
-        extra["pch_speedup"] = {f"{start}/{p}": round(per_sample[f"{start}/{p}/plain"] / per_sample[f"{start}/{p}/pch"], 2)
-                                for start in args.start for p in args.processes}
+        extra["pch_speedup"] = {f"{i}/{start}/{p}": round(per_sample[f"{i}/{start}/{p}/plain"]
+                                                          / per_sample[f"{i}/{start}/{p}/pch"], 2)
+                                for i in args.isolation for start in args.start for p in args.processes}
     print(json.dumps({"language": args.language, **({"cpp_include": args.cpp_include} if args.language == "cpp" else {}),
                       "samples": args.samples, "cases": args.cases, "runs_per_sample": round(runs / args.samples, 2),
                       "seconds_per_sample": per_sample, "fork_speedup": speedup, **extra,
                       "seconds_all": {name[k]: [round(s, 3) for s in t] for k, t in times.items()}}))
     return 0
+
+
+def hostile(timeout_s: float) -> int:
+    """The hostile battery in the box; 1 when an attack got what it came for."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+    import threading
+    import uuid
+    from pathlib import Path
+
+    from rlhf.data.sandbox import check_batch
+    from rlhf.data.sandbox_box import box_problem
+    from rlhf.data.sandbox_exec import close_all
+    from rlhf.data.sandbox_hostile import Setup, attacks, response
+    from rlhf.schema import SandboxConfig
+
+    problem = box_problem()
+    if problem:
+        raise SystemExit(f"no box on this machine: {problem}")
+    marker = uuid.uuid4().hex[:8]
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()[0].close()) for _ in iter(int, 1)],
+                     daemon=True).start()
+    holder = subprocess.Popen(["sleep", "300"], env={"PATH": os.environ["PATH"], "SECRET": "env-" + marker})
+    with tempfile.TemporaryDirectory() as d:
+        files = {k: (str(Path(d, k)), f"{k}-{marker}") for k in ("ray_token", "weights", "home")}
+        for path, text in files.values():
+            Path(path).write_text(text)
+        battery = [a for a in attacks(Setup(files, holder.pid, "env-" + marker, listener.getsockname()[1], os.getpid(),
+                                            marker)) if a.language == "python" or shutil.which("g++")]
+        try:
+            results = check_batch([response(a) for a in battery], [a.tests for a in battery],
+                                  SandboxConfig(timeout_s=timeout_s, max_output_kb=256))
+        finally:
+            close_all()
+            holder.kill()
+            listener.close()
+    time.sleep(1.0)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and marker.encode() in _cmdline(p)]
+    worked = [a.name for a, r in zip(battery, results) if r.score != 0.0 and not a.leaves_processes]
+    for a, r in zip(battery, results):
+        print(f"{a.name:<48} {r.status:<8} {r.detail.replace(chr(10), ' ')[-90:]}", flush=True)
+    print(json.dumps({"attacks": len(battery), "worked": worked, "verdicts": {a.name: r.status for a, r in
+                                                                             zip(battery, results)},
+                      "listener_connections": len(accepted), "processes_left": len(left)}))
+    return 1 if worked or accepted or left else 0
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ from rlhf.config import load_model_config
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import to_hf_tensors, torch_dtype
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
 from weight_sync import shm
 from benchmarks.reshard_bench import parse_layout
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -29,7 +29,7 @@ OUT = REPO / "out" / "sim_accuracy"
 TINY = ["model.path=out/sim_accuracy/tiny", "data.train_files=[out/sim_accuracy/tiny/train.jsonl]",
         "data.heldout_files=[out/sim_accuracy/tiny/heldout.jsonl]", "algorithm.dynamic_sampling=false",
         "data.gen_prompts_per_step=0", "tracking.trace=false"]
-# fp32, as the small runs of docs/simulate.md were measured (small_cpu.yaml ships bf16 since 2026-11-27)
+# fp32, as the small runs of docs/simulate.md were measured (small_cpu.yaml ships bf16)
 SMALL = ["tracking.trace=false", "trainer.compute_dtype=float32", "rollout.dtype=float32"]
 ONE_DEVICE = ["placement.trainer.devices=0", "placement.reference.devices=0", "placement.rollout.devices=0"]
 
@@ -134,7 +134,7 @@ def measured_phases(m: dict) -> dict:
 
 
 def predict(run: Run, m: dict, hw) -> dict:
-    from rlhf.sim import simulate
+    from rlhf.report import simulate
 
     cfg = load(run)
     samples = (cfg.data.gen_prompts_per_step or cfg.data.prompts_per_step) * cfg.algorithm.group_size

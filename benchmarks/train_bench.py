@@ -29,7 +29,7 @@ from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 
 LAYOUTS = {
     "single": (Layout(), {}),

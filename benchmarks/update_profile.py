@@ -41,7 +41,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
     from rlhf.batch import TokenBatch
     from rlhf.config import load_model_config
-    from rlhf.layout import Layout
+    from rlhf.sharding.layout import Layout
     from rlhf.parallel.trainer import ParallelTrainer
     from rlhf.schema import AlgorithmConfig, DType, TrainerConfig
 

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlhf.balance import balance
-from rlhf.routing import ROUTE_DTYPE, RouteShare, Routing
+from rlhf.micro_batches import balance
+from rlhf.moe.routing import ROUTE_DTYPE, RouteShare, Routing
 
 PER_TOKEN = ("old_logp", "ref_logp", "rollout_logp")
 
@@ -47,7 +47,7 @@ class TokenBatch:
     routes_BTLk: Optional[torch.Tensor] = None
     # On a trainer rank, its share of them instead (sent apart from the batch: `rlhf.driver.run.Run.route_shares`)
     route_share: Optional[RouteShare] = None
-    # The attention term of each sample's predicted cost per squared token (`rlhf.balance.sample_cost`): samples
+    # The attention term of each sample's predicted cost per squared token (`rlhf.micro_batches.sample_cost`): samples
     # are spread over DP ranks by tokens plus it (0: by tokens alone). The driver sets it from the model's shape.
     attention_cost: float = 0.0
 

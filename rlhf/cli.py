@@ -3,7 +3,7 @@
     rlhf make-tiny DIR [--model YAML|NAME] [--seed N] [--target-accuracy F] [--lr F] [--init-std F]
     rlhf check RUN.yaml [key=value ...]     validate and print the resolved config
     rlhf eval RUN.yaml [key=value ...]      score the run's policy with our model and vLLM
-    rlhf plan RUN.yaml [key=value ...]      device map, memory (shard-exact and simulated), weight-sync plan
+    rlhf plan RUN.yaml [key=value ...]      device map, memory per device and per role, weight-sync plan
     rlhf train RUN.yaml [key=value ...]     the RL run; on a cluster: ray job submit -- rlhf train RUN.yaml
     rlhf simulate RUN.yaml [--hardware H] [--search [--devices N] [--top K] [--write DIR]] [key=value ...]
                                             predicted step, phases, memory; the best layouts (starts nothing)
@@ -80,13 +80,12 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from rlhf.config import load_run_config
-    from rlhf.placement import device_map, plan_report
+    from rlhf.placement import device_map
+    from rlhf.report import memory_by_role, plan_report
     from rlhf.sim import default_hardware, load_hardware
-    from rlhf.sim.report import memory_by_role
 
     cfg = load_run_config(args.config, args.overrides)  # validates the placement too
-    # the simulator's memory per role (activations, KV cache) beside the plan's shard-exact state; rlhf.sim
-    # imports rlhf.placement, so the figures are computed here and passed in
+    # the memory model on the device type's hardware file: activations, KV cache and runtime per role
     simulated = memory_by_role(cfg, load_hardware(default_hardware(cfg.placement.device_type.value)))
     lines, result = plan_report(cfg, device_map(cfg), simulated=simulated)
     print("\n".join(lines), file=sys.stderr, flush=True)
@@ -97,9 +96,10 @@ def _plan(args) -> int:
 def _simulate(args) -> int:
     from rlhf.config import load_run_config
     from rlhf.errors import ConfigError
-    from rlhf.sim import default_hardware, load_hardware, search_config, simulate, write_config
+    from rlhf.report import search_config, simulate, write_config
+    from rlhf.sim import default_hardware, load_hardware
     from rlhf.schema import RewardKind
-    from rlhf.sim.report import search_lines, simulate_lines
+    from rlhf.report.simulate import search_lines, simulate_lines
 
     cfg = load_run_config(args.config, args.overrides)
     for name in ("prompt_tokens", "response_tokens", "devices", "top"):

@@ -1,6 +1,6 @@
 """What a killed process leaves behind, and where. Directories a process keeps under a name that carries its pid,
 removed by the next process that finds their owner gone (killed, crashed): vLLM's socket directories
-(actors/vllm_platform.py) and the code verifier's precompiled headers (rlhf/data/sandbox_cpp.py). And the temp
+(actors/vllm/platform.py) and the code verifier's precompiled headers (rlhf/data/sandbox_cpp.py). And the temp
 directory pointed elsewhere while a library makes the temp files it removes only at a normal exit (`temp_dir`)."""
 
 from __future__ import annotations

@@ -367,9 +367,20 @@ class RewardKind(Enum):
     code = "code"  # the response's program run against the answer's tests in a sandbox (rlhf.data.sandbox)
 
 
+class SandboxIsolation(Enum):
+    kernel = "kernel"  # namespaces and a seccomp filter around every program (rlhf/data/sandbox_box.py)
+    process = "process"  # a process with limits only: the program can read what the worker's user can, and the network
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """Limits of each program run by the code verifier (`reward.kind: code`, docs/code_reward.md)."""
+
+    # kernel: every program (and its compile) in a box of its own: no network, only its directory writable,
+    # the interpreter and compiler read-only, nothing else of the machine, its own PID namespace, a syscall
+    # filter (docs/security.md); a run is refused where the kernel cannot make the box. process: no box (the
+    # program can read what the worker's user can and reach the network); chosen explicitly, warned at start
+    isolation: SandboxIsolation = SandboxIsolation.kernel
 
     timeout_s: float = 5.0  # wall clock per run (one per stdin/stdout case); CPU seconds are capped at it + 1
     memory_mb: int = 1024  # address space of the program's process

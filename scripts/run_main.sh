@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job (README: `make run`): GRPO on the tiny addition task from the `rlhf make-tiny` policy,
 # asynchronously (StaleSync, staleness 1) on two pools of one core each, on an embedded local Ray
-# (configs/tiny_cpu_async.yaml; until 2026-11-27 the main job was configs/tiny_cpu.yaml, co-located and
-# synchronous: docs/stale_sync.md, "Is it the main job?"). Builds the tiny policy once. Extra arguments are
+# (configs/tiny_cpu_async.yaml; why not the co-located synchronous configs/tiny_cpu.yaml: docs/stale_sync.md,
+# "Is it the main job?"). Builds the tiny policy once. Extra arguments are
 # key=value overrides, e.g. `make run ARGS="steps=5"`. A previous run's outputs (out/tiny_run_async:
 # checkpoints, steps.jsonl, W&B run, HF export) are kept as out/tiny_run_async.<time>, so a new run starts
 # afresh and nothing of the old one is overwritten.

@@ -21,13 +21,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from weight_sync.store import tcp_store
+
 _PREFIX = "rlhf-weight-sync/"
 
 
 def transfer_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0):
     """Join (or, on rank 0, host) the transfer group; every member must call this concurrently."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    store = tcp_store(host, port, world_size, rank == 0, timeout)  # listening on `host` alone
     prefixed = dist.PrefixStore(_PREFIX, store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

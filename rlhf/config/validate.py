@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path, PurePosixPath
 
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
-from rlhf.layout import fit_problems, trainer_layout
+from rlhf.sharding.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.config.chaos import engine_kills, trainer_kills
 from rlhf.schema import (AlgorithmConfig, Attention, DType, Estimator, LossAggregation, ModelConfig, RewardConfig,

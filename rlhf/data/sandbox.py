@@ -19,10 +19,13 @@ default: rlhf/data/sandbox_exec.py) or a fresh one; stdin/stdout cases each in a
 temporary directory (cwd and HOME, removed afterwards) and its own session, under resource limits: address
 space (`memory_mb`), CPU seconds and a wall-clock `timeout_s` per run, file size, no core files; stdout and
 stderr capped at `max_output_kb`. At the end, passed or killed, its process group and every process left in
-its session are killed, so a program that started children leaves none behind. This is a process sandbox with
-limits, not a security boundary: the program can read what the worker's user can and reach the network; run
-untrusted code at scale in reward workers inside containers without network
-(docs/code_reward.md).
+its session are killed, so a program that started children leaves none behind.
+
+With `isolation: kernel` (the default) every program and its compile run in a box (rlhf/data/sandbox_box.py):
+no network, only its own directory writable, nothing of the machine readable but the interpreter, the compiler
+and their libraries, its own PID namespace, a seccomp filter. A program the box stops (a system call it may not
+make) scores 0 with status `blocked`. `isolation: process` is the limits alone, not a security boundary
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from rlhf.data.sandbox_box import BLOCKED_SIGNAL, Box, isolation_problem
 from rlhf.data.sandbox_cpp import compile_program, precompiled
 from rlhf.data.sandbox_exec import Run
-from rlhf.schema import SandboxConfig
+from rlhf.schema import SandboxConfig, SandboxIsolation
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -108,14 +112,16 @@ def parse_tests(answer: str) -> Tests:
 @dataclass(frozen=True)
 class SandboxResult:
     score: float
-    status: str  # passed | failed | error | timeout | bad_tests
+    status: str  # passed | failed | error | timeout | blocked (the box stopped it) | bad_tests
     seconds: float
     detail: str = ""  # the failing case, or the tail of stderr
 
 
 @dataclass(frozen=True)
 class CaseRun:
-    status: str  # ok | timeout | output | early_exit | error (the launcher itself failed) | compile_error | compile_timeout
+    # ok | timeout | output | early_exit | error (the launcher itself failed) | compile_error | compile_timeout |
+    # blocked (the box killed it: a system call it may not make)
+    status: str
     code: int | None  # the exit code
     out: str
     err: str  # its tail
@@ -133,7 +139,13 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
     cap = cfg.max_output_kb * 1024
     stdio = inputs is not None
     n = len(inputs) if stdio else 1
-    with tempfile.TemporaryDirectory(prefix="rlhf-sandbox-") as d:
+    box = None
+    if cfg.isolation is SandboxIsolation.kernel:
+        problem = isolation_problem(cfg)
+        if problem is not None:  # never run an untrusted program outside the box it was promised
+            return [CaseRun("error", None, "", problem)]
+        box = Box.for_worker(cfg.site_packages)
+    with tempfile.TemporaryDirectory(prefix="rlhf-sandbox-", dir=box.scratch if box else None) as d:
         def path(name: str) -> str:
             return os.path.join(d, name)
 
@@ -168,10 +180,13 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                 return [CaseRun("error", None, "", f"the C++ compiler {command[0]!r} is not installed on this reward "
                                                    "worker's machine: install it or set reward.sandbox.cpp_command")]
             pch = precompiled(command, cfg.cpp_precompiled_header, env, cfg.memory_mb * 1024 * 1024)
+            cbox = Box.for_worker(cfg.site_packages, (pch,)) if box and pch else box
             code = compile_program([*command, *(["-I", pch] if pch else []), "-o", "main", "main.cpp"], d, env,
-                                   cfg.memory_mb * 1024 * 1024, cfg.compile_timeout_s, path("compile.log"))
+                                   cfg.memory_mb * 1024 * 1024, cfg.compile_timeout_s, path("compile.log"), cbox)
             if code != 0:
-                return [CaseRun("compile_timeout" if code is None else "compile_error", code, "", tail("compile.log"))]
+                status = ("compile_timeout" if code is None else "blocked" if code in _BLOCKED_CODES else
+                          "compile_error")
+                return [CaseRun(status, code, "", tail("compile.log"))]
         else:
             Path(path("main.py")).write_text(source, encoding="utf-8")
         nonce = secrets.token_hex(16).encode()
@@ -191,7 +206,8 @@ def run_program(source: str, inputs: Sequence[str] | None, cfg: SandboxConfig,
                     open(path(names[1]), "ab") as ferr:
                 try:
                     run = Run(("-I",) if cfg.site_packages else ("-I", "-S"), env, d,
-                              [fin.fileno(), fout.fileno(), ferr.fileno(), r, pw], args, deadline + 5.0, cfg.fork_server)
+                              [fin.fileno(), fout.fileno(), ferr.fileno(), r, pw], args, deadline + 5.0, cfg.fork_server,
+                              box)
                 finally:
                     os.close(r)
                     os.close(pw)
@@ -243,6 +259,10 @@ def _follow(pr: int, deadline: float, runs: list, case, wants, stop: bool = True
         buf += chunk
 
 
+# exit codes of a program the box killed (SIGSYS): as a case's status, or the boxed process's 128 + signal
+_BLOCKED_CODES = frozenset({-BLOCKED_SIGNAL, 128 + BLOCKED_SIGNAL})
+
+
 def _passed(run: CaseRun, want: str | None) -> bool:
     """The run ended by itself, exit 0, with the wanted output (if any)."""
     return run.status == "ok" and run.code == 0 and (want is None or _same_output(run.out, want))
@@ -286,6 +306,9 @@ def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tupl
     """None when run `i` passed, else its status (failed, error, timeout) and what went wrong."""
     if _passed(run, want):
         return None
+    if run.status == "blocked" or (run.status == "ok" and run.code in _BLOCKED_CODES and cfg.isolation is
+                                   SandboxIsolation.kernel):
+        return "blocked", f"run {i}: the box stopped it (a system call a program may not make: docs/security.md)"
     if run.status != "ok":
         detail = {"timeout": f"over {cfg.timeout_s} s", "output": f"over {cfg.max_output_kb} KiB of output",
                   "early_exit": "exited before the tests ran to the end",

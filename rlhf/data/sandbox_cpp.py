@@ -44,11 +44,14 @@ PCH_PREFIX = "rlhf-pch-"  # + the pid of the process whose compiles use it
 PCH_TIMEOUT_S = 60.0  # building the precompiled header (3.5-3.7 s for bits/stdc++.h at -O2 here); past it, none
 
 
-def compile_program(command: list[str], d: str, env: dict, memory: int, timeout: float, log_path: str) -> int | None:
+def compile_program(command: list[str], d: str, env: dict, memory: int, timeout: float, log_path: str,
+                    box=None) -> int | None:
     """Run `command` (the compiler and its arguments) in directory `d` under limits, its messages into `log_path`:
-    its exit code, or None past `timeout` seconds. Every process it started is gone on return."""
+    its exit code, or None past `timeout` seconds. Every process it started is gone on return. `box`
+    (`rlhf.data.sandbox_box.Box`): the compile runs in the box, as the program will."""
+    code = (box.sample_code(d) if box is not None else "") + COMPILE
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", COMPILE, str(memory), str(int(timeout) + 1),
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, str(memory), str(int(timeout) + 1),
                                  str(COMPILE_FILE_LIMIT), *command], cwd=d, env=dict(env, TMPDIR=d),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         try:

@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from rlhf.data.sandbox_box import Box
+
 # Sets the limits inside the child, then runs the program as __main__ (no preexec_fn: the reward worker has
 # threads, and a fork with threads must exec at once); compiled and exec'd in a fresh `__main__` module, not by
 # runpy, whose lazy imports (pkgutil, typing) cost more than a small program's whole run.
@@ -131,16 +133,21 @@ _SERVER = """\
 import os, resource, select, signal, socket, sys, traceback, types  # the launcher's imports, made once
 sock = socket.socket(fileno=int(sys.argv[1]))
 launch = compile(sys.argv[2], "<launcher>", "exec")
+boxed = len(sys.argv) > 3  # the box's code (rlhf/data/sandbox_box.py): this server goes into it, each run too
+if boxed:
+    exec(sys.argv[3])
 base_env = dict(os.environ)
 def child(d, args, fds):
     sock.close()
     os.setsid()
     os.chdir(d)
     os.environ.clear()
-    os.environ.update(base_env, HOME=d)
+    os.environ.update(base_env, HOME=d, TMPDIR=d)
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
         os.close(fd)
+    if boxed:  # the run's PID namespace, its directory writable, sealed; this process waits for it
+        box_sample(d)
     sys.argv = ["-c", *(str(fds[3]) if a == "R" else str(fds[4]) if a == "P" else a for a in args)]
     code = 0
     try:
@@ -180,7 +187,8 @@ while True:
     sock.sendall(f"{pid}\\n".encode())
     ready = select.select([pfd, sock], [], [], float(backstop))[0]
     if pfd not in ready:  # past the backstop, or the worker went away: its end of the socket closed
-        for p in os.listdir("/proc"):  # the run's session: its group, and children that left the group
+        os.kill(pid, signal.SIGKILL)  # boxed: its PID namespace dies with it
+        for p in os.listdir("/proc") if os.path.isdir("/proc") else ():  # the session: children that left its group
             try:
                 with open(f"/proc/{p}/stat", "rb") as f:
                     if int(f.read().rsplit(b")", 1)[1].split()[3]) == pid:
@@ -249,12 +257,14 @@ class ServerBroken(RuntimeError):
 
 
 class ForkServer:
-    """One warm interpreter that forks a run per request, one request at a time."""
+    """One warm interpreter that forks a run per request, one request at a time; `box`: the box's code, run by the
+    server before its first request (rlhf/data/sandbox_box.py), so each run is forked inside it."""
 
-    def __init__(self, flags: tuple[str, ...], env: dict[str, str]):
+    def __init__(self, flags: tuple[str, ...], env: dict[str, str], box: str | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = subprocess.Popen([sys.executable, *flags, "-c", _SERVER, str(theirs.fileno()), LAUNCH],
+            self.proc = subprocess.Popen([sys.executable, *flags, "-c", _SERVER, str(theirs.fileno()), LAUNCH,
+                                          *([box] if box else [])],
                                          env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=(theirs.fileno(),))
         finally:
@@ -308,15 +318,15 @@ _every: list[ForkServer] = []
 _lock = threading.Lock()
 
 
-def checkout(flags: tuple[str, ...], env: dict[str, str]) -> ForkServer:
-    """A free fork server for these interpreter flags and environment (started when none is free)."""
-    key = (flags, tuple(sorted(env.items())))
+def checkout(flags: tuple[str, ...], env: dict[str, str], box: str | None = None) -> ForkServer:
+    """A free fork server for these interpreter flags, environment and box (started when none is free)."""
+    key = (flags, tuple(sorted(env.items())), box)
     with _lock:
         pool = _pools.setdefault(key, queue.SimpleQueue())
     try:
         return pool.get_nowait()
     except queue.Empty:
-        server = ForkServer(flags, env)
+        server = ForkServer(flags, env, box)
         with _lock:
             _every.append(server)
             server.key = key
@@ -348,17 +358,18 @@ def close_all() -> None:
 class Run:
     """A sample's launcher process: a fork of a warm server, or a fresh interpreter. `fds`: its stdin, stdout,
     stderr, the nonce pipe and the progress pipe (the caller closes its own copies after the start); `args`: the
-    launcher's, "R" and "P" standing for the two pipes' fd numbers."""
+    launcher's, "R" and "P" standing for the two pipes' fd numbers. `box`: where programs run in the box
+    (sandbox_box.py); the pid is then the process that waits for the sample's PID namespace."""
 
     def __init__(self, flags: tuple[str, ...], env: dict[str, str], d: str, fds: list[int], args: list[str],
-                 backstop: float, fork_server: bool):
+                 backstop: float, fork_server: bool, box: Box | None = None):
         self.server: ForkServer | None = None
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self.broken = False
         if fork_server and available():
             for attempt in range(2):  # a server broken while idle is replaced once
-                self.server = checkout(flags, env)
+                self.server = checkout(flags, env, box.server_code() if box else None)
                 try:
                     self.pid = self.server.start(d, backstop, args, fds)
                     return
@@ -367,9 +378,10 @@ class Run:
                     if attempt:
                         raise
         fresh = [str(fds[3]) if a == "R" else str(fds[4]) if a == "P" else a for a in args]
-        self.proc = subprocess.Popen([sys.executable, *flags, "-c", LAUNCH, *fresh], cwd=d, env={**env, "HOME": d},
-                                     stdin=fds[0], stdout=fds[1], stderr=fds[2], start_new_session=True,
-                                     pass_fds=tuple(fds[3:]))
+        code = (box.sample_code(d) if box else "") + LAUNCH
+        self.proc = subprocess.Popen([sys.executable, *flags, "-c", code, *fresh], cwd=d,
+                                     env={**env, "HOME": d, "TMPDIR": d}, stdin=fds[0], stdout=fds[1],
+                                     stderr=fds[2], start_new_session=True, pass_fds=tuple(fds[3:]))
         self.pid = self.proc.pid
 
     def wait(self, timeout: float) -> None:

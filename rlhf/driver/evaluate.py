@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 
-from actors.vllm_engine import VLLMEngine
+from actors.vllm.engine import VLLMEngine
 from rlhf.data.prompts import load_prompts
 from rlhf.data.verifiers import accuracy_scores
 from rlhf.data.tokenizer import load_tokenizer

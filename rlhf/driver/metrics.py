@@ -100,9 +100,9 @@ def expert_parallel_load(updates: list[UpdateReply], expert_maps: Sequence[Seque
                          prediction: list[list[float]] | None, theta: float = 0.9):
     """Per MoE layer: tokens on the busiest EP rank over the mean under the trainer's expert map of that layer
     (`expert_maps`, what EDPB balances; 1.0 is even), and how far the moving-average prediction of each
-    expert's load (`rlhf.expert_balance.predict`) made before this step was from it. Returns (metrics, the
+    expert's load (`rlhf.moe.balance.predict`) made before this step was from it. Returns (metrics, the
     prediction for the next step)."""
-    from rlhf.expert_balance import predict
+    from rlhf.moe.balance import predict
 
     load = step_loads(updates)  # [layers, experts]
     if load is None or not len(load):
@@ -126,10 +126,10 @@ def expert_parallel_load(updates: list[UpdateReply], expert_maps: Sequence[Seque
 
 
 def dp_balance(batch, mini_batches: Sequence[Sequence[int]], dp: int, max_tokens: int) -> dict[str, float]:
-    """How even the DP ranks' predicted work is (`rlhf.balance`: tokens plus the attention term), the worst
+    """How even the DP ranks' predicted work is (`rlhf.micro_batches`: tokens plus the attention term), the worst
     mini-batch of the step: the slowest rank over the mean as the trainer splits the samples, and as a split by
     sample index would."""
-    from rlhf.balance import balance, by_index_imbalance
+    from rlhf.micro_batches import balance, by_index_imbalance
 
     if dp < 2:
         return {}

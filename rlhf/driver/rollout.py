@@ -24,7 +24,7 @@ from rlhf.schema import RunConfig
 class Rollout:
     rows: list  # P PromptRows
     prompt_ids: list[list[int]]  # P
-    completions: list  # P * G, grouped by prompt (actors.vllm_engine.Completion)
+    completions: list  # P * G, grouped by prompt (actors.vllm.engine.Completion)
     rewards_PG: torch.Tensor  # what the advantages see (rule score + overlong penalty)
     scores_PG: torch.Tensor  # the verifier's score alone (accuracy)
     groups_drawn: int

@@ -31,20 +31,22 @@ from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued
 from rlhf.config.load import as_dict
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts, valid_answers
 from rlhf.data.sandbox import parse_tests
+from rlhf.data.sandbox_box import isolation_problem
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.balance import ExpertBalance
+from rlhf.driver.expert_balance import ExpertBalance
 from rlhf.driver.faults import Faults
 from rlhf.driver.metrics import step_metrics
 from rlhf.driver.record import Recorder
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
 from rlhf.model.hf_io import check_model_dir
-from rlhf.routing import RouteFetch
+from rlhf.moe.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
 from rlhf.placement import DeviceMap, device_map
-from rlhf.placement.transfer import SyncLayout, sync_layout
-from rlhf.schema import DeviceType, RewardKind, RunConfig
+from rlhf.placement.transfer import sync_layout
+from rlhf.sharding.sync import SyncLayout
+from rlhf.schema import DeviceType, RewardKind, RunConfig, SandboxIsolation
 from rlhf.sim.workload import attention_quadratic
 from rlhf.tiny import make_tiny_args
 from rlhf.tracking import Trace, Tracker
@@ -92,6 +94,14 @@ class RunInputs:
                 raise DatasetError(f"data.{key}: {e}") from None
 
         train_rows, heldout = prompts("train_files"), prompts("heldout_files").rows
+        if cfg.reward.kind is RewardKind.code:
+            sandbox = cfg.reward.sandbox
+            problem = isolation_problem(sandbox)  # the driver's machine; each reward worker checks its own
+            if problem:
+                raise ConfigError(problem)
+            if sandbox.isolation is SandboxIsolation.process:
+                log("warning: reward.sandbox.isolation=process: the policy's programs run without the box; they can "
+                    "read what the reward workers' user can and reach the network (docs/security.md)")
         c = cfg.checkpoint
         resume_dir = resolve_resume(Path(c.dir), c.resume)
         problem = (fresh_run_problem(c.dir, c.resume, saves=bool(c.every_steps) or c.export_hf)

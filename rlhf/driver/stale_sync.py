@@ -44,7 +44,7 @@ import torch
 from actors.dist_queue import DistQueue
 from actors.remote import RoleError
 from actors.route_blocks import load_route_blocks, save_route_blocks
-from actors.vllm_engine import Completion
+from actors.vllm.engine import Completion
 from rlhf.algorithms.staleness import importance_stats, may_start, staleness_stats
 from rlhf.checkpoint import load_driver_state
 from rlhf.data.prompts import PromptRow
@@ -52,7 +52,7 @@ from rlhf.data.versioned_queue import QueuedGroup
 from rlhf.driver.rollout import Rollout, collect
 from rlhf.driver.turns import DeviceTurns
 from rlhf.parity import Parity, logprob_parity
-from rlhf.routing import RouteRef
+from rlhf.moe.routing import RouteRef
 from rlhf.schema import RunConfig
 
 WAIT_POLL_S = 5.0  # how often a waiting thread re-checks that its peer is alive

@@ -19,7 +19,7 @@ from rlhf.batch import TokenBatch
 from rlhf.driver.metrics import dp_balance
 from rlhf.driver.rollout import Rollout
 from rlhf.driver.run import Run
-from rlhf.routing import RouteStats
+from rlhf.moe.routing import RouteStats
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,7 @@ def load_pretrained(model_dir: str | Path, cfg: ModelConfig | None = None) -> Qw
 
 def load_local_shards(model_dir: str | Path, sharding) -> dict[str, torch.Tensor]:
     """One trainer rank's local tensors, read piece by piece from the HF directory's safetensors
-    (only the slices this rank holds are read). `sharding` is a `rlhf.model.sharding.TrainerSharding`."""
+    (only the slices this rank holds are read). `sharding` is a `rlhf.sharding.trainer.TrainerSharding`."""
     d = Path(model_dir)
     if (d / INDEX_FILE).is_file():
         where = json.loads((d / INDEX_FILE).read_text())["weight_map"]

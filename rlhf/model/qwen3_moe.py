@@ -14,7 +14,7 @@ Each forward records, per MoE layer, how many (valid) tokens were routed to each
 (`router_stats()`), for expert-load metrics, expert placement and the simulator; training forwards
 also add them up per optimizer step (`record_loads`), for the sigmoid router's bias update
 (`router_bias_update`). A `Routing`
-(`rlhf.routing`) given to the forward forces, records or compares each layer's expert choice
+(`rlhf.moe.routing`) given to the forward forces, records or compares each layer's expert choice
 (routing replay).
 
 Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim, E experts, k top-k,
@@ -31,7 +31,7 @@ from rlhf.model.head import head_logprobs
 from rlhf.model.experts import grouped_mm_fits, grouped_mm_supported, grouped_swiglu, looped_swiglu
 from rlhf.model.layers import RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
-from rlhf.routing import Routing, observe, route
+from rlhf.moe.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
 
 # bf16 under autocast on cpu: each expert's group of rows is padded with zero rows to a multiple of this. oneDNN runs
@@ -106,7 +106,7 @@ class Router(nn.Module):
 
     def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
         """(weights [S, k], experts [S, k], the live top-k [S, k]); rows of `forced_Sk` other than -1 use
-        those experts, weighted by the live probabilities (`rlhf.routing.route`)."""
+        those experts, weighted by the live probabilities (`rlhf.moe.routing.route`)."""
         probs_SE, _ = self.scores(x_SH)
         weights_Sk, experts_Sk, live_Sk = route(probs_SE, self.top_k, forced_Sk)
         if self.norm_topk_prob:

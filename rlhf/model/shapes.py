@@ -100,7 +100,7 @@ def count_active_params(cfg: ModelConfig) -> int:
 
 def route_bytes_per_step(moe_layers: int, top_k: int, samples: int, tokens_per_sample: int) -> int:
     """Routing replay: the routes of one step at most, as the trainer receives them (int16 ids,
-    `rlhf.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
+    `rlhf.moe.routing.ROUTE_DTYPE`): every sample at its longest, one id per MoE layer and top-k slot.
     The engines return them at one byte per id up to 256 experts, half of this."""
     return samples * tokens_per_sample * moe_layers * top_k * 2
 

@@ -15,14 +15,14 @@ Autograd collectives (Megatron's f/g pairs, plus the sequence split and the all-
 from __future__ import annotations
 
 import datetime
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
+from weight_sync.store import tcp_store
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -56,9 +56,12 @@ def backend_for(device_type: str, requested: str = "auto") -> str:
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device_type: str = "cpu",
                        backend: str = "auto", timeout_s: float = 120.0) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-    dist.init_process_group(backend_for(device_type, backend), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    """The default group, its store hosted by rank 0 at master_addr:master_port and listening there alone
+    (127.0.0.1 for a local run: weight_sync.store)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = tcp_store(master_addr, master_port, world_size, rank == 0, timeout)
+    dist.init_process_group(backend_for(device_type, backend), store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 @dataclass

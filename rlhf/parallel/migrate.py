@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from rlhf.model.sharding import shard_rows
+from rlhf.sharding.trainer import shard_rows
 from rlhf.parallel.comm import all_to_all
 
 

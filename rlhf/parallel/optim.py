@@ -173,7 +173,7 @@ class ShardedAdamW:
     def _step_tensor(self, step: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """The step count where torch's AdamW keeps it: on the host, except for the fused and capturable
         kernels, which read it on the parameter's device as float32 (a host step loaded from a checkpoint
-        stopped the fused CUDA kernel: "state_steps is on cpu", seen on an H200, 2026-11-27)."""
+        stops the fused CUDA kernel: "state_steps is on cpu")."""
         group = self.opt.param_groups[0]
         if group.get("fused") or group.get("capturable"):
             return step.detach().to(master.device, torch.float32, copy=True)

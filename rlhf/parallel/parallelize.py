@@ -1,4 +1,4 @@
-"""Apply the declared sharding (`rlhf.model.sharding`) to a Qwen3-MoE or DeepSeek-V3 model on one rank.
+"""Apply the declared sharding (`rlhf.sharding.trainer`) to a Qwen3-MoE or DeepSeek-V3 model on one rank.
 
 The model's maths is untouched; this module only
 - keeps the layers of this rank's pipeline stage (others become parameter-free placeholders, so
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE, record_loads
-from rlhf.routing import Routing, observe
-from rlhf.model.sharding import Split, TrainerSharding, grad_reduced_over_stage, is_frozen, split_of
+from rlhf.moe.routing import Routing, observe
+from rlhf.sharding.trainer import Split, TrainerSharding, grad_reduced_over_stage, is_frozen, split_of
 from rlhf.parallel.comm import LayoutGroups, copy_to_group, gather_rows, gather_from_group, reduce_from_group, split_to_group
 from rlhf.parallel.dispatch import Dispatcher
 
@@ -54,7 +54,7 @@ class ExpertParallelMoE(nn.Module):
 
     def set_map(self, expert_map: Sequence[int]) -> None:
         """Dispatch by `expert_map` (expert -> EP shard) from now on: expert e is row `local_index[e]` of
-        its shard's stack, the shard's experts stacked by id (as `rlhf.model.sharding` lays them out)."""
+        its shard's stack, the shard's experts stacked by id (as `rlhf.sharding.trainer` lays them out)."""
         shard_of = torch.tensor(tuple(expert_map), dtype=torch.long)
         local_index = torch.zeros(self.num_experts, dtype=torch.long)
         for shard in range(self.groups.size("ep")):
@@ -117,7 +117,7 @@ def _tp_output_hook(group):
 def parallelize(model: Qwen3MoeForCausalLM, sharding: TrainerSharding, groups: LayoutGroups,
                 local: dict[str, torch.Tensor], expert_maps: Mapping[str, Sequence[int]], stages: Sequence[range],
                 dispatcher: Dispatcher) -> Qwen3MoeForCausalLM:
-    """`expert_maps`: each expert layer's map by prefix (`rlhf.model.sharding.layer_expert_maps`)."""
+    """`expert_maps`: each expert layer's map by prefix (`rlhf.sharding.trainer.layer_expert_maps`)."""
     cfg, layout = model.config, groups.layout
     stage = layout.coords(groups.rank).pp
     K = cfg.num_key_value_heads

@@ -3,7 +3,7 @@ offload/onload, recomputation, shard export and checkpoint state. A plain class;
 
 Every rank of the layout runs the same calls with the micro-batches of its DP index (TP ranks and
 pipeline stages of one DP index get the same micro-batches; every rank of a stage must run the same
-number of them, since EP all-to-alls span DP ranks: `rlhf.balance` arranges that).
+number of them, since EP all-to-alls span DP ranks: `rlhf.micro_batches` arranges that).
 
 Legend: B batch, T tokens, V vocab.
 """
@@ -22,12 +22,12 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhf.batch import MicroBatch
 from rlhf.host_memory import trim_heap
-from rlhf.routing import ROUTE_DTYPE, Routing
+from rlhf.moe.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.layers import autocast_off, casts_kept
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
-from rlhf.model.sharding import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
+from rlhf.sharding.trainer import Split, TrainerSharding, is_frozen, layer_expert_maps, rank_sharding, row_sharded, split_of
 from rlhf.parallel.comm import LayoutGroups, all_reduce, all_reduce_bucketed, bounded, build_groups
 from rlhf.parallel.dispatch import Dispatcher, FlatDispatcher
 from rlhf.parallel.grads import Gradients
@@ -36,7 +36,7 @@ from rlhf.parallel.optim import ShardedAdamW
 from rlhf.parallel.parallelize import grad_group_of, parallelize, replicas_of
 from rlhf.parallel.pipeline import PipelineRunner
 from rlhf.parallel.zero3 import RowShard, shard_parameters
-from rlhf.layout import Layout, check_expert_map, default_expert_map
+from rlhf.sharding.layout import Layout, check_expert_map, default_expert_map
 
 
 # (logp_BT, entropy_BT, micro-batch) -> scalar loss, already divided by the global normaliser
@@ -147,7 +147,7 @@ class ParallelTrainer:
         with self._compute():
             return self.model.hidden_states(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
 
-    # --- routing replay (rlhf.routing) ---
+    # --- routing replay (rlhf.moe.routing) ---
     def _routed(self, micro_batches: Sequence[MicroBatch], first: bool) -> list[MicroBatch]:
         """The micro-batches with the routing their forwards use: the routes to force (the engine's, R3, or
         those this rank recorded in the step's old-logprob forward, R2) and, in the step's first forward
@@ -385,7 +385,7 @@ class ParallelTrainer:
         self._check_onloaded()
         return self.sharding, {n: p.detach() for n, p in self.params.items()}
 
-    # --- expert-load balancing (rlhf.expert_balance) ---
+    # --- expert-load balancing (rlhf.moe.balance) ---
     def migrate_experts(self, expert_maps: Sequence[Sequence[int]], move_state: bool = True) -> dict:
         """Place each MoE layer's experts by `expert_maps` (one expert -> EP shard map per MoE layer, the
         order of `router_stats`): every expert that changes shard goes, with both AdamW moments, from each

@@ -1,7 +1,7 @@
 """Sharded data parallelism (ZeRO-3, FSDP2's layout) on explicit collectives.
 
 With `trainer.zero_stage: 3` a rank keeps only its row shard of every parameter that has identical
-copies on several ranks (`rlhf.model.sharding.zero3_axis`: the DP group, or the expert replicas for
+copies on several ranks (`rlhf.sharding.trainer.zero3_axis`: the DP group, or the expert replicas for
 routed experts). Each unit (an embedding, a decoder layer's norms, attention and MLP/MoE block, the
 final norm, lm_head) gathers its full parameters when its forward starts and drops them when it ends:
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlhf.model.sharding import shard_rows
+from rlhf.sharding.trainer import shard_rows
 
 # torch >= 2.10 names the flat-tensor collectives *_single; older ones *_into_tensor / *_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

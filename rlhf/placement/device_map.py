@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from rlhf.errors import Problem, raise_problems
-from rlhf.layout import inference_layout
+from rlhf.sharding.layout import inference_layout
 from rlhf.placement.devices import abbreviate, format_devices, read_devices
 from rlhf.schema import DeviceType, PlacementConfig, RewardKind, RunConfig
 

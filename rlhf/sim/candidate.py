@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.schema import RolloutConfig, TrainerConfig
+from rlhf.sharding.layout import InferenceLayout, Layout
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class TrainerChoice:
     micro_batch_tokens: int = 4096
     hierarchical_ep: bool = False  # the expert all-to-all in two hops (inter-node once per node, then inside)
 
-    # world and expert_shards are rlhf.layout.Layout's rules, inlined: the search reads them per candidate
+    # world and expert_shards are rlhf.sharding.layout.Layout's rules, inlined: the search reads them per candidate
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
@@ -44,7 +45,7 @@ class EngineChoice:
     redundant_experts: int = 0
 
     @property
-    def ranks(self) -> int:  # rlhf.layout.InferenceLayout.ranks_per_engine, inlined (read per candidate)
+    def ranks(self) -> int:  # rlhf.sharding.layout.InferenceLayout.ranks_per_engine, inlined (read per candidate)
         return self.tp if self.ep == 1 else self.ep
 
     @property
@@ -81,3 +82,14 @@ class Candidate:
                                                     f"{self.rollout_devices or self.engines.world}"
         return f"trainer {self.trainer}, engines {self.engines}, {where}" + (
             f", staleness {self.staleness}" if self.staleness else "")
+
+
+def trainer_choice(t: TrainerConfig) -> TrainerChoice:
+    """The trainer's layout of a run config, as the simulator prices it."""
+    return TrainerChoice(t.pp, t.dp, t.tp, t.ep, t.experts_over_tp_ep, t.zero_stage, bool(t.recompute),
+                         t.micro_batch_tokens, t.hierarchical_ep)
+
+
+def engine_choice(r: RolloutConfig) -> EngineChoice:
+    """The engines' layout of a run config."""
+    return EngineChoice(r.tp, r.ep, r.num_engines)

@@ -1,15 +1,15 @@
-"""The simulator's memory per device: what each role keeps resident on its busiest device, from shapes alone
-(`ModelCost`), a candidate's layouts and the hardware. Pure Python over numbers.
+"""The memory model: what each role keeps resident on its busiest device, from shapes alone (`ModelCost`), a
+candidate's layouts and the hardware. Pure Python over numbers. The one model both `rlhf simulate` (and its
+search) and `rlhf plan` (`rlhf.placement.device_memory`, per device of a placement) count memory with.
 
     state      a trainer rank's parameters, gradients and AdamW state (`trainer_state_bytes`); the reference's
-               parameters; an engine rank's weights (`engine_rank_params`). Tensor for tensor what
-               `rlhf.placement.memory` counts by walking the shard specs (tests/unit/rlhf/sim/test_memory_agreement.py
-               holds the two together)
+               parameters; an engine rank's weights (`engine_rank_params`): tensor for tensor what the shard specs
+               hold (tests/unit/rlhf/sim/test_memory_agreement.py walks them, buffer by buffer, against this)
     beyond     the activations of the micro-batches 1F1B keeps in flight, the LM head's logits chunk, ZeRO-3's
                gathered layer (`trainer_memory`); the engines' KV cache (`engine_memory`); each process's runtime
                (the hardware file's runtime_gib, `memory_per_device`)
 
-A trainer rank holds its pipeline stage's layers (stages split as `rlhf.layout.Layout.stage_layers` splits them),
+A trainer rank holds its pipeline stage's layers (stages split as `rlhf.sharding.layout.Layout.stage_layers` splits them),
 the embedding on the first stage, the final norm, the LM head and the MTP modules (frozen) on the last; attention
 and MLPs split over tp, the layer norms, the router and MLA's latent projections whole on every TP rank, the
 embedding and the LM head whole too (the trainer's head is not vocabulary-parallel). AdamW keeps an fp32 master and
@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 
-from rlhf.layout import Layout, padded_vocab
+from rlhf.sharding.layout import Layout, padded_vocab
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.workload import ModelCost, Workload
@@ -36,7 +36,7 @@ ADAMW_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per stepped element
 
 def stage_layers(mc: ModelCost, pp: int) -> tuple[tuple[int, int], ...]:
     """(dense layers, MoE layers) of each pipeline stage: the first layers / pp + 1 on the first stages, as
-    `rlhf.layout.Layout.stage_layers` splits them; the dense layers come first."""
+    `rlhf.sharding.layout.Layout.stage_layers` splits them; the dense layers come first."""
     return _split(mc.layers, mc.dense_layers, pp)
 
 
@@ -132,10 +132,11 @@ def trainer_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
     return best
 
 
-def reference_state_bytes(mc: ModelCost, t: TrainerChoice, nbytes: int) -> float:
-    """The reference's parameters on its busiest rank (the trainer's layout and shards, nothing stepped)."""
-    return max(sum(_held(p, t) for p in trainer_stage_params(mc, t, s))
-               for s in _busiest_candidates(mc.layers, mc.dense_layers, t.pp)) * nbytes
+def reference_state_bytes(mc: ModelCost, t: TrainerChoice, nbytes: int, stage: int | None = None) -> float:
+    """The reference's parameters on a rank of `stage` (default: its busiest rank's): the trainer's layout and
+    shards, nothing stepped."""
+    stages = _busiest_candidates(mc.layers, mc.dense_layers, t.pp) if stage is None else (stage,)
+    return max(sum(_held(p, t) for p in trainer_stage_params(mc, t, s)) for s in stages) * nbytes
 
 
 def reference_memory(mc: ModelCost, w: Workload, t: TrainerChoice) -> float:
@@ -165,10 +166,18 @@ def kv_budget_bytes(hw: Hardware, w: Workload, mc: ModelCost, e: EngineChoice) -
 
 
 def engine_memory(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice) -> float:
-    weights = engine_rank_params(mc, e) * w.rollout_bytes
-    if hw.device_type == "cpu":
-        return weights + w.kv_cache_gib * GIB
-    return max(weights, w.gpu_memory_utilization * hw.memory_gib * GIB)
+    return engine_device_bytes(engine_rank_params(mc, e) * w.rollout_bytes, hw.device_type, w.kv_cache_gib,
+                               w.gpu_memory_utilization, hw.memory_gib)
+
+
+def engine_device_bytes(weights: float, device_type: str, kv_cache_gib: float, gpu_memory_utilization: float,
+                        memory_gib: float) -> float:
+    """An engine rank's bytes on its device from its weights: on cpu the weights and the KV cache it reserves
+    (rollout.cpu_kv_cache_gib); on an accelerator vLLM claims gpu_memory_utilization of the device for weights
+    and KV cache together (more where the weights alone exceed it)."""
+    if device_type == "cpu":
+        return weights + kv_cache_gib * GIB
+    return max(weights, gpu_memory_utilization * memory_gib * GIB)
 
 
 def memory_per_device(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> dict:

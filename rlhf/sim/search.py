@@ -4,7 +4,7 @@ inference layouts (tp, ep, engines, redundant experts) and placements (co-locate
 split of the devices at node granularity, staleness bounds) on a number of devices, ranked by tokens/s.
 
 Each side is costed once per (layout, pool size) and pruned first: layouts the model cannot be split by
-(`rlhf.layout.fit_problems`, the same rules `rlhf plan` checks), layouts whose memory does not fit a
+(`rlhf.sharding.layout.fit_problems`, the same rules `rlhf plan` checks), layouts whose memory does not fit a
 device, and all but the fastest few per pool. The surviving pairs are then scored whole (sync, offload,
 overlap, shared memory), every one a configuration `rlhf plan` and `rlhf train` accept. Pure.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rlhf.layout import fit_problems
+from rlhf.sharding.layout import fit_problems
 from rlhf.schema import ModelConfig
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.cost import generate_seconds, simulate_candidate, trainer_phases

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from rlhf.model.shapes import kv_per_token_layer, param_shapes
-from rlhf.model.sharding import Split, frozen_by_name, grad_reduced_over_stage, split_of
+from rlhf.sharding.trainer import Split, frozen_by_name, grad_reduced_over_stage, split_of
 from rlhf.schema import Attention, ModelConfig, RewardKind, RunConfig
 from weight_sync.plan import DTYPE_BYTES
 
@@ -16,7 +16,7 @@ from weight_sync.plan import DTYPE_BYTES
 @dataclass(frozen=True)
 class LayerParams:
     """One decoder layer's parameters besides its routed experts, by how a rank of tp holds them (the trainer's
-    declared splits, `rlhf.model.sharding`; the engines split the same tensors the same way)."""
+    declared splits, `rlhf.sharding.trainer`; the engines split the same tensors the same way)."""
 
     split: int = 0  # split over tp: q/o projections, MLA's q_b/kv_b, dense and shared-expert MLPs
     kv: int = 0  # GQA's k/v projections: by KV head over tp, one head group's copy per rank past the KV heads
@@ -134,7 +134,7 @@ def model_cost(m: ModelConfig) -> ModelCost:
 
 
 def attention_quadratic(m: ModelConfig) -> float:
-    """The attention term of a sample's predicted cost (`rlhf.balance.sample_cost`), per squared token, in units
+    """The attention term of a sample's predicted cost (`rlhf.micro_batches.sample_cost`), per squared token, in units
     of one token's linear work: a forward over a sequence of L tokens (each attending to L / 2 positions on
     average) costs 2 L active + L^2 layers attn_width FLOPs (`ModelCost.forward_flops`), that is
     2 active (L + q L^2) with q = layers attn_width / (2 active)."""

@@ -19,7 +19,7 @@ from rlhf.model.shapes import param_shapes
 from rlhf.parallel.launch import run_ranks
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

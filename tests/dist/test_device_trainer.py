@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlhf.config import load_model_config
-from rlhf.layout import InferenceLayout, Layout
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from rlhf.parallel.comm import backend_for
 from rlhf.parallel.launch import free_port, run_ranks
 from tests.dist.test_device_trainer import DEVICE

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from rlhf.config import load_model_config
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.layout import InferenceLayout, Layout
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding
+from rlhf.sharding.trainer import rank_sharding
 from rlhf.parallel.launch import free_port, run_ranks
 from rlhf.parallel.trainer import token_logprobs
-from rlhf.placement.transfer import SyncLayout
+from rlhf.sharding.sync import SyncLayout
 from rlhf.schema import RolloutConfig
 from weight_sync.group import transfer_group
 from weight_sync.pieces import local_tensors
@@ -56,7 +56,7 @@ def _placed(sync):
     layer's experts shuffled over the EP ranks, each layer differently."""
     from dataclasses import replace
 
-    from rlhf.expert_balance import engine_placement
+    from rlhf.moe.balance import engine_placement
 
     m = sync.model
     E, moe = m.num_experts, m.num_hidden_layers - m.first_k_dense_layers
@@ -84,7 +84,7 @@ def worker(rank, start_dir, trainer, engines, port, fresh_dir, yaml, sleep=0):
                                 rank_sharding(cfg, trainer, rank))
             sent.append(run_plan(placed.plan(), rank, src, None, torch.float32, group=group).bytes_sent)
         return {"sent": sent}
-    from actors.vllm_engine import VLLMEngine, WeightUpdateRejected
+    from actors.vllm.engine import VLLMEngine, WeightUpdateRejected
 
     dist.destroy_process_group()  # the launcher's group: a tp1 engine's in-process worker forms its own
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import checkpoint as ckpt
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 from rlhf.model.hf_io import iter_safetensors, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks

@@ -6,7 +6,7 @@ import torch
 
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, on_policy, policy_loss
 from rlhf.batch import TokenBatch
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
 from rlhf.parallel.launch import run_ranks

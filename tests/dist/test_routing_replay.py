@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from rlhf.batch import MicroBatch
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 from rlhf.model.hf_io import load_pretrained, save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.routing import Routing
+from rlhf.moe.routing import Routing
 from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
 from rlhf.schema import RoutingReplay, TrainerConfig

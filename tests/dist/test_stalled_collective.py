@@ -4,7 +4,7 @@ busy elsewhere, as a rank stuck in I/O or a deadlocked thread would be); its pee
 
 import time
 
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.trainer import ParallelTrainer
 from rlhf.schema import TrainerConfig

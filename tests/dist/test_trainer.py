@@ -11,7 +11,7 @@ from rlhf.parallel.launch import run_ranks
 from rlhf.parallel.optim import _flat_view, _views_of
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -15,11 +15,11 @@ import torch
 from tiny_configs import gqa, mla
 
 from rlhf.model.shapes import param_shapes
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
 from rlhf.parallel.launch import run_ranks
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout, default_expert_map
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout, default_expert_map
 from weight_sync.p2p import run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -12,12 +12,12 @@ import torch
 from rlhf.config import load_model_config
 from rlhf.model.hf_io import to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding, trainer_shard_spec
+from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from weight_sync.pieces import local_tensors
 from rlhf.parallel.launch import run_ranks
 from weight_sync import shm
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.p2p import ChecksumMismatch, run_plan
 from weight_sync.plan import Topology, plan_reshard
 

@@ -46,8 +46,13 @@ def test_a_ray_reward_worker_scores_programs_and_leaves_nothing_behind(ray_sessi
     from actors.reward import RuleRewardWorker
     from rlhf.schema import RewardKind, SandboxConfig
 
+    from rlhf.data.sandbox_box import box_problem
+    from rlhf.schema import SandboxIsolation
+
+    # in the box where this machine can make it (tests/unit/rlhf/data/test_sandbox_box.py says why it cannot)
+    isolation = SandboxIsolation.kernel if box_problem() is None else SandboxIsolation.process
     worker = ray.remote(RuleRewardWorker).options(num_cpus=0).remote(
-        RewardKind.code, SandboxConfig(timeout_s=2.0, processes=2))
+        RewardKind.code, SandboxConfig(timeout_s=2.0, processes=2, isolation=isolation))
     stdio = json.dumps({"inputs": ["2 3\n"], "outputs": ["5"]})
     responses = ["```python\nprint(sum(map(int, input().split())))\n```",
                  "import subprocess\nsubprocess.Popen(['sleep', '59.8765'])\nprint(5)\n",  # right, and leaves a child

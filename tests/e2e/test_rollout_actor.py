@@ -6,7 +6,7 @@ import os
 import pytest
 
 from actors.remote import RoleError, spawn
-from actors.vllm_platform import SHUTDOWN_GRACE_S
+from actors.vllm.platform import SHUTDOWN_GRACE_S
 from rlhf.config import load_model_config
 from rlhf.schema import RolloutConfig
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
@@ -18,7 +18,7 @@ TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "
 
 
 def test_engine_actor_generates_and_updates(ray_session, tmp_path):
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     cfg = load_model_config(TINY)
     m1, m2 = Qwen3MoeForCausalLM(cfg), Qwen3MoeForCausalLM(cfg)

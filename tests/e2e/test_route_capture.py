@@ -12,7 +12,7 @@ from rlhf.config import load_model_config
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.routing import Routing
+from rlhf.moe.routing import Routing
 from rlhf.schema import RolloutConfig
 
 pytestmark = pytest.mark.vllm
@@ -29,7 +29,7 @@ def _model(seed):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     d = tmp_path_factory.mktemp("routes")
     m = _model(1)
@@ -90,7 +90,7 @@ def test_routes_kept_apart_in_blocks_per_trainer_stage(engine):
     """`generate_routed` (what `rlhf train` calls): the completions carry only each sample's place in one
     block per trainer stage, and the blocks hold exactly the routes `generate` returns, over the stage's MoE
     layers; an evaluation's routes (`keep_routes=False`) are dropped, and do not leak into the next call."""
-    from rlhf.routing import RouteFetch, RouteRef
+    from rlhf.moe.routing import RouteFetch, RouteRef
 
     prompts = [[1, 5, 9, 13], [1, 7, 7, 21, 30, 2, 11, 8, 19], [1, 3]]
     whole = engine.generate(prompts, n=2, seed=4)

@@ -190,7 +190,7 @@ def test_greedy_generation_interrupted_by_an_install_of_the_same_weights_is_unch
     from safetensors.torch import load_file
 
     from actors.remote import spawn
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.data.tokenizer import load_tokenizer
     from rlhf.schema import DeviceType, RolloutConfig
 

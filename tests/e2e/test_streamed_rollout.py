@@ -25,7 +25,7 @@ def test_an_engine_streams_the_groups_it_generates_and_a_cancel_stops_it(tiny, r
 
     from actors.group_stream import _drain
     from actors.remote import spawn
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
     from rlhf.data.tokenizer import load_tokenizer
     from rlhf.schema import DeviceType, RolloutConfig
 

@@ -26,7 +26,7 @@ def _model(seed):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     d = tmp_path_factory.mktemp("w1")
     m1, m2 = _model(1), _model(2)
@@ -69,8 +69,8 @@ def test_update_is_exact_against_a_fresh_engine(setup):
 
 def _staged(model):
     """The model's weights as a sync stages them for a tp1 engine: vLLM's names and shapes, padding rows zero."""
-    from rlhf.layout import InferenceLayout
-    from rlhf.model.engine_sharding import engine_shard_spec
+    from rlhf.sharding.layout import InferenceLayout
+    from rlhf.sharding.engine import engine_shard_spec
     from weight_sync.pieces import fill_buffers
 
     whole, mine = dict(_hf(model)), engine_shard_spec(model.config, InferenceLayout(tp=1)).ranks[0]
@@ -79,7 +79,7 @@ def _staged(model):
 
 
 def test_direct_install_serves_what_vllms_reload_serves(setup, tmp_path):
-    """The install a sync takes on cpu (`actors.vllm_install`: each layer's post-load processing on the staged
+    """The install a sync takes on cpu (`actors.vllm.install`: each layer's post-load processing on the staged
     buffers, without vLLM's layer-wise reload) serves bit for bit what vLLM's reload of the same weights does."""
     from safetensors.torch import save_file
 
@@ -106,8 +106,8 @@ def _write(tensors, d):
 
 
 def test_corrupted_or_incomplete_update_is_rejected_and_old_weights_served(setup):
-    from actors.vllm_engine import WeightUpdateRejected
-    from actors.vllm_worker_ext import tensor_crc32
+    from actors.vllm.engine import WeightUpdateRejected
+    from actors.vllm.worker_ext import tensor_crc32
 
     engine, m1, m2, seqs = setup
     engine.update_weights(_hf(m1), version=3)
@@ -127,7 +127,7 @@ def test_corrupted_or_incomplete_update_is_rejected_and_old_weights_served(setup
 
 
 def test_update_failing_during_reload_refuses_to_serve_until_a_good_one(setup):
-    from actors.vllm_worker_ext import tensor_crc32
+    from actors.vllm.worker_ext import tensor_crc32
 
     engine, m1, m2, seqs = setup
     tensors = dict(_hf(m2))
@@ -171,7 +171,7 @@ def test_samples_of_different_prompts_draw_independent_streams(setup):
 
 def test_tensor_parallel_engine_updates_exactly(tmp_path):
     """TP=2 on CPU: both workers install the update; logprobs follow the new weights."""
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     m1, m2 = _model(1), _model(2)
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)
@@ -183,7 +183,7 @@ def test_tensor_parallel_engine_updates_exactly(tmp_path):
         _check_tp2(engine, m1, m2)
         # vLLM's ZeroMQ socket files (never unlinked by vLLM) are bound in this process's own directory, and its
         # executor's file store (never removed either) is named there
-        from actors.vllm_platform import ipc_dir
+        from actors.vllm.platform import ipc_dir
 
         assert _sockets(ipc_dir()), "the TP 2 engine's processes talk over ZeroMQ ipc sockets"
         assert _stores(ipc_dir()), "vLLM's executor rendezvouses its workers through a file store"
@@ -239,7 +239,7 @@ def test_prefix_cached_prompt_follows_an_update(tmp_path):
     update, generating from it again must use keys and values of the new weights, not the cached ones."""
     from dataclasses import replace
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     m1, m2 = _model(1), _model(2)
     long_cfg = replace(m1.config, max_position_embeddings=512)
@@ -273,7 +273,7 @@ def test_mla_engine_serves_the_trainer_model_and_updates_exactly(tmp_path):
     expert) on vLLM's DeepseekV3 model: prompt logprobs (prefill: the latent expanded by kv_b_proj) and
     sampled-token logprobs (decode: kv_b_proj absorbed into W_UK / W_UV after loading) equal ours, fresh and
     after an in-place update (W_UK / W_UV rebuilt from the new kv_b_proj by the reload's post-load step)."""
-    from actors.vllm_engine import VLLMEngine
+    from actors.vllm.engine import VLLMEngine
 
     m1, m2 = _pangu(1), _pangu(2)
     save_tokenizer(build_tokenizer(m1.config.vocab_size), tmp_path)

@@ -3,10 +3,11 @@
 Imports are read from the source (every `import` statement, also those inside functions), so a lazy
 import cannot hide an edge; every module is also imported for real, so a broken import fails here.
 
-    pure, starts nothing   schema, errors, config, layout, model shapes and sharding declarations,
-                           placement, resharding specs and plans, batch balancing: no torch at all
-    pure                   + algorithms, data, batch, parity, routing: torch allowed, never torch.distributed,
-                           ray or vllm
+    pure, starts nothing   schema, errors, config, sharding (layouts, shard declarations, the sync layout),
+                           model shapes, placement, resharding specs and plans, micro-batch balancing: no
+                           torch at all
+    pure                   + algorithms, data, batch, parity, moe (routes, expert balancing): torch allowed,
+                           never torch.distributed, ray or vllm
     torch side             model, parallel trainer, weight_sync executors: never ray or vllm, and
                            the two never import each other's torch code (specs and plans are shared)
     roles                  actors: ray and vllm live here
@@ -23,17 +24,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rlhf", "actors", "weight_sync")
-MAX_LINES = 500
+# A file grows until it holds two concepts, then splits along the seam between them, not at a count of lines;
+# past this many it almost surely holds two (a smell alarm, not the rule that decides a split)
+MAX_LINES = 800
 
-NO_TORCH = ("rlhf.schema", "rlhf.errors", "rlhf.config", "rlhf.layout", "rlhf.model.shapes",
-            "rlhf.model.sharding", "rlhf.model.engine_sharding", "rlhf.placement", "rlhf.balance",
+NO_TORCH = ("rlhf.schema", "rlhf.errors", "rlhf.config", "rlhf.sharding", "rlhf.model.shapes",
+            "rlhf.placement", "rlhf.micro_batches",
             "rlhf.sim", "weight_sync.spec", "weight_sync.plan")
-PURE = NO_TORCH + ("rlhf.algorithms", "rlhf.data", "rlhf.batch", "rlhf.parity", "rlhf.routing")
+PURE = NO_TORCH + ("rlhf.algorithms", "rlhf.data", "rlhf.batch", "rlhf.parity", "rlhf.moe")
 TOP = ("rlhf.driver", "rlhf.cli")  # may import actors
 ROLE_LAYER = ("actors",) + TOP  # may import ray and vllm
 TORCH_SIDES = (("rlhf.model", "rlhf.parallel"), ("weight_sync",))  # neither imports the other's torch code
-SHARED_BY_SIDES = ("rlhf.model.shapes", "rlhf.model.sharding", "rlhf.model.engine_sharding",
-                   "weight_sync.spec", "weight_sync.plan", "weight_sync.pieces")
+SHARED_BY_SIDES = ("rlhf.model.shapes", "rlhf.sharding",
+                   "weight_sync.spec", "weight_sync.plan", "weight_sync.pieces", "weight_sync.store")
 
 
 def _within(module: str, prefixes) -> bool:
@@ -167,7 +170,7 @@ def test_only_actors_and_the_driver_touch_ray_and_vllm():
 
 # the run's components and the rollout sources are built by the run and driven by the loop: they reach
 # neither (a new source or component plugs in without the loop or the run changing to know it)
-DRIVER_PARTS = ("rlhf.driver.record", "rlhf.driver.balance", "rlhf.driver.faults", "rlhf.driver.sources",
+DRIVER_PARTS = ("rlhf.driver.record", "rlhf.driver.expert_balance", "rlhf.driver.faults", "rlhf.driver.sources",
                 "rlhf.driver.stale_sync")
 
 
@@ -196,7 +199,7 @@ def test_no_cycle_between_sub_packages():
     assert _cycles(units) == []
 
 
-def test_no_library_file_over_500_lines():
+def test_no_library_file_over_the_smell_alarm():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these along a seam a reader would recognise: {long}"
 

@@ -16,8 +16,8 @@ def loads_under(model, ranks: int):
 
 @pytest.mark.parametrize("experts, floor", [(8, 1.4), (16, 1.1)])
 def test_the_skewed_routers_put_twice_the_mean_on_ep_rank_0_and_the_plan_spreads_it(experts, floor):
-    from rlhf import expert_balance
-    from rlhf.layout import default_expert_map
+    from rlhf.moe import balance as expert_balance
+    from rlhf.sharding.layout import default_expert_map
 
     loads = loads_under(bench.skewed_model(1.0, experts), 4)
     contiguous = [default_expert_map(experts, 4)] * len(loads)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.reshard_bench import main, parse_layout
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.layout import InferenceLayout, Layout
 
 TINY = str(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
 
@@ -40,6 +40,6 @@ def test_pure_layer_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, weight_sync.plan, rlhf.model.engine_sharding, benchmarks.reshard_bench; "
+    code = ("import sys, weight_sync.plan, rlhf.sharding.engine, benchmarks.reshard_bench; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3]).returncode == 0

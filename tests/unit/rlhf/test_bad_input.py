@@ -217,3 +217,26 @@ def test_code_reward_refuses_answers_that_are_no_tests_before_any_actor_starts(p
     raw["data"]["skip_bad_rows"] = True
     inputs = _prepare(raw, tmp_path / "run2.yaml")
     assert len(inputs.sampler.rows) == 3 and len(inputs.heldout) == 3
+
+
+def test_code_reward_without_the_box_is_refused_before_any_actor_starts(policy, tmp_path, monkeypatch):
+    """`reward.sandbox.isolation: kernel` (the default) where the kernel cannot make the box: refused, saying which
+    setting to change; `process` chosen explicitly runs, with a warning."""
+    from rlhf.data import sandbox_box
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": f"assert f({a}, {b}) == {a + b}"} for a, b in ((1, 2), (3, 4))]
+    for name in ("train.jsonl", "heldout.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = _base(policy, tmp_path / "out")
+    raw.setdefault("reward", {})["kind"] = "code"
+    raw["data"]["train_files"], raw["data"]["heldout_files"] = [str(tmp_path / "train.jsonl")], [str(tmp_path / "heldout.jsonl")]
+    monkeypatch.setattr(sandbox_box, "box_problem", lambda: "the kernel refused the box (unshare: Operation not permitted)")
+    with pytest.raises(ConfigError, match=r"reward.sandbox.isolation=kernel: the kernel refused the box .*set "
+                                          r"reward.sandbox.isolation=process"):
+        _prepare(raw, tmp_path / "run.yaml")
+    raw["reward"]["sandbox"] = {"isolation": "process"}
+    said = []
+    path = tmp_path / "run2.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    RunInputs.prepare(load_run_config(path), log=said.append)
+    assert any("reward.sandbox.isolation=process" in s and "without the box" in s for s in said)

@@ -48,7 +48,7 @@ def test_logprobs_score_the_tempered_distribution_the_rollout_sampled_from():
 def test_routes_line_up_with_tokens_and_each_dp_rank_gets_its_share():
     import numpy as np
 
-    from rlhf.routing import RouteFetch, RouteRef
+    from rlhf.moe.routing import RouteFetch, RouteRef
 
     prompts = [[1] * (2 + i % 3) for i in range(10)]
     responses = [[4] * (1 + i % 4) for i in range(10)]

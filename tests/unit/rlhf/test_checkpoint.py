@@ -12,9 +12,9 @@ from rlhf import checkpoint as ckpt
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import iter_safetensors, load_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import rank_sharding
+from rlhf.sharding.trainer import rank_sharding
 from weight_sync.pieces import local_tensors
-from rlhf.layout import Layout, default_expert_map
+from rlhf.sharding.layout import Layout, default_expert_map
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,

@@ -365,7 +365,7 @@ def test_search_tries_the_hierarchical_all_to_all_only_where_ep_spans_nodes():
 
 
 def test_a_written_configuration_keeps_the_hierarchical_all_to_all(tmp_path):
-    from rlhf.sim.report import candidate_of, write_config
+    from rlhf.report import candidate_of, write_config
 
     cfg = tiny_cfg("trainer.hierarchical_ep=true")
     c = candidate_of(cfg)

@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 
 from rlhf.config import load_model_config
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.plan import Topology, clear_plan_cache, plan_reshard
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.sharding.trainer import trainer_shard_spec
 
 MODELS = Path(__file__).resolve().parents[3] / "configs" / "model"
 

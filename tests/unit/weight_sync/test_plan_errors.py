@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from rlhf.schema import ModelConfig
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.sharding.trainer import trainer_shard_spec
 from weight_sync.apply_local import apply_local
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 

@@ -2,9 +2,9 @@
 "src_rank src_buffer@offset -> dst_rank dst_buffer@offset  param[global region]  [local]"."""
 
 from rlhf.schema import ModelConfig
-from rlhf.model.sharding import trainer_shard_spec
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.trainer import trainer_shard_spec
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
 from weight_sync.plan import Plan, Topology, plan_reshard
 
 # H=4, 2 heads of 2 (2 KV heads), 2 experts of FFN 2, vocabulary 6 (engines pad it to 64 rows).

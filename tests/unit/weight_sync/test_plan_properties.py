@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from tiny_configs import gqa, mla
 
 from rlhf.model.shapes import param_shapes
-from rlhf.model.sharding import rank_sharding
+from rlhf.sharding.trainer import rank_sharding
 from weight_sync.pieces import local_tensors
 from weight_sync.apply_local import apply_local
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout, Layout, default_expert_map
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout, default_expert_map
 from weight_sync.plan import Topology, plan_reshard
 from weight_sync.spec import ShardSpec
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.sharding.trainer import trainer_shard_spec
 
 SENTINEL = 12345.0  # engine buffers start filled with it; padding rows must keep it
 

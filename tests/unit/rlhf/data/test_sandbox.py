@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from rlhf.data.sandbox import check, check_batch, extract_program, parse_tests
-from rlhf.schema import SandboxConfig
+from rlhf.schema import SandboxConfig, SandboxIsolation
 
 FAST = SandboxConfig(timeout_s=3.0, memory_mb=512, max_output_kb=64, processes=2)
 FRESH = SandboxConfig(timeout_s=3.0, memory_mb=512, max_output_kb=64, processes=2, fork_server=False)
@@ -147,17 +147,23 @@ def test_stdin_stdout_cases_each_get_a_deadline_and_the_first_failure_stops_the_
     assert r.status == "error" and r.detail.startswith("run 1: exit 1") and "bad input" in r.detail
 
 
-def test_a_program_that_kills_its_launcher_scores_zero(cfg):
+def test_a_program_that_kills_its_launcher_scores_zero_and_in_the_box_cannot(cfg):
+    """A stdin/stdout case's parent is its launcher. Without the box the kill ends the sample (scored 0); in the
+    box the launcher is its PID namespace's init, which its namespace's processes cannot kill: the program goes
+    on, and its output is what is scored."""
     prog = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(input())\n"
-    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), cfg)
+    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), replace(cfg, isolation=SandboxIsolation.process))
     assert (r.score, r.status) == (0.0, "error")
+    r = check(prog, json.dumps({"inputs": ["1"], "outputs": ["1"]}), cfg)
+    assert (r.score, r.status) == (1.0, "passed")
 
 
 def test_the_first_wrong_output_stops_the_cases_that_follow(tmp_path):
     # each case sleeps, then notes that it ran (outside the sandbox's directory) and prints a wrong answer
     log = tmp_path / "ran"
     prog = f"import time\ntime.sleep(0.5)\nopen({str(log)!r}, 'a').write(input() + chr(10))\nprint('wrong')\n"
-    r = check(prog, json.dumps({"inputs": [str(i) for i in range(20)], "outputs": ["right"] * 20}), FAST)
+    outside = replace(FAST, isolation=SandboxIsolation.process)  # the note is written outside its directory
+    r = check(prog, json.dumps({"inputs": [str(i) for i in range(20)], "outputs": ["right"] * 20}), outside)
     assert r.status == "failed" and r.detail.startswith("case 0")
     time.sleep(0.7)  # a later case, had it been left running, would have written by now
     assert log.read_text() == "0\n"
@@ -178,8 +184,18 @@ def test_forked_samples_do_not_see_each_other_and_a_server_a_program_killed_is_r
     # the next fork of the same server sees none of it
     assert check("import json\n", "assert json.loads('1') == 1\nassert not hasattr(__builtins__, 'leaked')",
                  one).score == 1.0
+    # in the box a program cannot see its server (it is its PID namespace's init: its parent pid reads 0, and
+    # killing "0" kills its own group): the sample fails, the server lives on
     servers = _servers()
-    # an assert-style program's parent is its server: killing it fails the sample, and the next one gets a new server
+    r = check("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + ADD, ADD_TESTS, one)
+    assert (r.score, r.status) == (0.0, "error")
+    assert check(ADD, ADD_TESTS, one).score == 1.0
+    assert _servers() == servers
+    # without the box an assert-style program's parent is its server: killing it fails the sample, and the next one
+    # gets a new server
+    one = replace(one, isolation=SandboxIsolation.process)
+    assert check(ADD, ADD_TESTS, one).score == 1.0
+    servers = _servers()
     r = check("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + ADD, ADD_TESTS, one)
     assert (r.score, r.status) == (0.0, "error")
     assert check(ADD, ADD_TESTS, one).score == 1.0

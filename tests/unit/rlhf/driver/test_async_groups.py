@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from actors.vllm_engine import Completion
+from actors.vllm.engine import Completion
 from rlhf.data.prompts import PromptRow
 from rlhf.data.versioned_queue import QueuedGroup
 from rlhf.driver.stale_sync import to_groups, to_rollout
@@ -56,7 +56,7 @@ def test_route_references_round_trip_through_a_checkpoint(tmp_path):
     import pytest
 
     from rlhf.driver.stale_sync import ROUTE_BLOCKS, SAMPLE_FIELDS, queue_state_loaded, queue_state_saved
-    from rlhf.routing import RouteRef
+    from rlhf.moe.routing import RouteRef
 
     ro = _rollout()
     refs = [RouteRef(3 * i, 3, ("call0-stage0" if i < 4 else "call1-stage0", "call0-stage1" if i < 4 else "call1-stage1"))

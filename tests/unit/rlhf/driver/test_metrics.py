@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from actors.replies import ReceiveReply, SendReply, SyncReplies, UpdateReply, UpdateStats
-from actors.vllm_engine import Completion
+from actors.vllm.engine import Completion
 from rlhf.batch import TokenBatch
 from rlhf.config import load_model_config
 from rlhf.driver.metrics import expert_load, expert_parallel_load, progress_fields, step_metrics, update_metrics
 from rlhf.driver.rollout import Rollout
-from rlhf.layout import InferenceLayout, Layout
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.model.sharding import trainer_shard_spec
+from rlhf.sharding.layout import InferenceLayout, Layout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.trainer import trainer_shard_spec
 from rlhf.parity import logprob_parity
 from weight_sync.plan import Topology, plan_reshard
 

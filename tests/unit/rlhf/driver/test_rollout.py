@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.reward import RuleRewardWorker
-from actors.vllm_engine import Completion
+from actors.vllm.engine import Completion
 from rlhf.schema import AlgorithmConfig, DataConfig, RewardKind, RolloutConfig, RunConfig
 from rlhf.data.prompts import PromptRow
 from rlhf.data.sampler import PromptSampler

@@ -8,7 +8,7 @@ import torch
 
 from rlhf.model.experts import GroupedRows, grouped_mm_supported, grouped_swiglu, looped_swiglu
 from rlhf.model.qwen3_moe import Experts, Qwen3MoeForCausalLM
-from rlhf.routing import Routing
+from rlhf.moe.routing import Routing
 from rlhf.schema import ModelConfig
 
 H, I = 64, 32

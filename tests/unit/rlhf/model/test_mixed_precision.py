@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhf.model.qwen3_moe import Experts, Qwen3MoeForCausalLM, Router
-from rlhf.routing import Routing
+from rlhf.moe.routing import Routing
 from rlhf.schema import Architecture, Attention, MLAConfig, ModelConfig, RouterScoring
 
 QWEN = ModelConfig(vocab_size=48, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

@@ -256,8 +256,8 @@ def test_cli_plan_prints_the_map_and_ends_with_json(capsys):
     assert result["memory_max_bytes"] > GIB / 4  # the engine's 0.25 GiB KV cache (tiny_cpu.yaml)
     assert result["bytes_minimal"] > 0 and result["bytes_network"] > 0 and result["floor_seconds"] > 0
     assert "plan_seconds" in result
-    # the simulator's figures beside the shard-exact state: the same state, plus activations and the KV cache
-    assert "memory per role, simulated (rlhf simulate's model on hardware cpu_2core" in err
+    # the memory model on the hardware file: the state above, plus activations and the KV cache
+    assert "memory per role on hardware cpu_2core" in err
     sim, state = result["memory_simulated_gib_per_device"]["roles"], result["memory_state_max_bytes"]
     assert sim["trainer"]["state"] * GIB == pytest.approx(state["trainer"], rel=1e-9)
     assert sim["trainer"]["total"] > sim["trainer"]["state"]

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import load_model_config, load_run_config
-from rlhf.layout import InferenceLayout, Layout
-from rlhf.placement import device_map, plan_report
-from rlhf.placement.transfer import SyncLayout, sync_layout
+from rlhf.sharding.layout import InferenceLayout, Layout
+from rlhf.placement import device_map
+from rlhf.report import plan_report
+from rlhf.placement.transfer import sync_layout
+from rlhf.sharding.sync import SyncLayout
 from weight_sync.plan import Topology
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -1,4 +1,4 @@
-"""Generation stepped by the engine actor itself, one decode step at a time (`actors.vllm_engine`): partial
+"""Generation stepped by the engine actor itself, one decode step at a time (`actors.vllm.engine`): partial
 rollouts park it between two steps while weights are installed, and streamed rollouts hand each prompt's
 group of samples back as soon as its last sample finishes, and stop the rest when told.
 

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.expert_balance import (coefficient_of_variation, greedy_placement, plan, plan_layer, predict,
+from rlhf.moe.balance import (coefficient_of_variation, greedy_placement, plan, plan_layer, predict,
                                  rank_loads, relabel)
-from rlhf.layout import default_expert_map
+from rlhf.sharding.layout import default_expert_map
 
 
 def test_prediction_is_an_exponential_moving_average():
@@ -68,7 +68,7 @@ def test_planner_properties(ep_loads, rnd, min_drop):
 def test_engine_placement_replicates_the_hottest_experts_and_evens_the_ranks():
     """8 experts, 2 redundant slots, 2 engine ranks: the two hottest get a second replica, the ranks' predicted
     loads come out even, where the default (the first R experts twice, contiguous) leaves them 1:3.5."""
-    from rlhf.expert_balance import engine_placement, engine_rank_loads
+    from rlhf.moe.balance import engine_placement, engine_rank_loads
 
     load = [10, 10, 10, 10, 10, 10, 80, 40]
     phys = engine_placement(load, ep=2, redundant=2)
@@ -84,10 +84,10 @@ def test_engine_placement_replicates_the_hottest_experts_and_evens_the_ranks():
     from pathlib import Path
 
     from rlhf.config import load_model_config
-    from rlhf.layout import InferenceLayout
-    from rlhf.model.engine_sharding import engine_shard_spec
+    from rlhf.sharding.layout import InferenceLayout
+    from rlhf.sharding.engine import engine_shard_spec
 
-    cfg = load_model_config(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
+    cfg = load_model_config(Path(__file__).resolve().parents[4] / "configs" / "model" / "qwen3_moe_tiny.yaml")
     skew = [float(cfg.num_experts - e) ** 2 for e in range(cfg.num_experts)]
     spec = engine_shard_spec(cfg, InferenceLayout(tp=1, ep=2, redundant_experts=2),
                              physical_experts=engine_placement(skew, ep=2, redundant=2))
@@ -97,7 +97,7 @@ def test_engine_placement_replicates_the_hottest_experts_and_evens_the_ranks():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 8), st.randoms(use_true_random=False))
 def test_engine_placement_properties(ep, per_rank, extra, rnd):
-    from rlhf.expert_balance import engine_placement, engine_rank_loads
+    from rlhf.moe.balance import engine_placement, engine_rank_loads
 
     E = ep * per_rank
     R = ep * min(extra % (per_rank + 1), (ep - 1) * per_rank)  # whole extra slots per rank, at most E per rank
@@ -116,7 +116,7 @@ def test_engine_placement_properties(ep, per_rank, extra, rnd):
 def test_engine_placement_never_puts_an_expert_twice_on_a_rank(load):
     # Regression (CI): equal loads on ep 3 with one extra slot per rank once left both copies of an expert on
     # the last free rank; the placement now hands the last copy to a full rank in exchange for one of its experts.
-    from rlhf.expert_balance import engine_placement
+    from rlhf.moe.balance import engine_placement
 
     phys = engine_placement(load, ep=3, redundant=3)
     assert len(phys) == 6 and set(phys) == {0, 1, 2}
@@ -124,7 +124,7 @@ def test_engine_placement_never_puts_an_expert_twice_on_a_rank(load):
 
 
 def test_engine_plan_takes_a_placement_only_where_it_pays():
-    from rlhf.expert_balance import coefficient_of_variation, engine_plan, engine_rank_loads
+    from rlhf.moe.balance import coefficient_of_variation, engine_plan, engine_rank_loads
 
     skewed, even = [8.0, 7.0, 6.0, 5.0, 1.0, 1.0, 1.0, 1.0], [1.0] * 8
     default = tuple(range(8))
@@ -144,11 +144,11 @@ def test_a_sync_layout_places_the_engines_experts_as_given():
     from pathlib import Path
 
     from rlhf.config import load_model_config
-    from rlhf.layout import InferenceLayout, Layout
-    from rlhf.placement.transfer import SyncLayout
+    from rlhf.sharding.layout import InferenceLayout, Layout
+    from rlhf.sharding.sync import SyncLayout
     from weight_sync.plan import Topology
 
-    cfg = load_model_config(Path(__file__).resolve().parents[3] / "configs" / "model" / "qwen3_moe_tiny.yaml")
+    cfg = load_model_config(Path(__file__).resolve().parents[4] / "configs" / "model" / "qwen3_moe_tiny.yaml")
     moe = cfg.num_hidden_layers - cfg.first_k_dense_layers
     base = SyncLayout(cfg, Layout(dp=2, ep=2), InferenceLayout(tp=1, ep=2), Topology.single_node(4))
     placement = tuple((1, 3, 5, 7, 0, 2, 4, 6) if l % 2 else (0, 1, 2, 3, 4, 5, 6, 7) for l in range(moe))

@@ -50,7 +50,7 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
     if own_process:  # vLLM's other temp files (a file store per engine, never removed) go there as well
         os.environ["TMPDIR"] = tempfile.tempdir = str(ipc_dir())
-        no_tqdm_semaphore()  # the engine's workers do the same (actors/vllm_worker_ext.py)
+        no_tqdm_semaphore()  # the engine's workers do the same (actors/vllm/worker_ext.py)
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process
@@ -133,7 +133,7 @@ def in_vllm_worker() -> bool:
 def attention_kwargs(device_type: DeviceType, cfg: RolloutConfig, model_dir) -> dict:
     """`LLM` arguments choosing the attention backend where vLLM's own choice fails: on a cpu with AMX tiles it
     picks its AMX MLA kernels for DeepSeek-V3 family models, which take bf16 weights only ("expect weight to
-    be bfloat16, ...": fp32 engines failed to start on this project's machines on 2026-11-27); other dtypes
+    be bfloat16, ...": an fp32 engine fails to start there); other dtypes
     get its reference cpu MLA backend, the one chosen on cpus without AMX."""
     if device_type is not DeviceType.cpu or cfg.dtype.value == "bfloat16":
         return {}

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from actors.remote import node_address
 from actors.replies import ReceiveReply
-from actors.vllm_platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, freeze_heap,
+from actors.vllm.platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, freeze_heap,
                                   held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
-from actors.vllm_stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
+from actors.vllm.stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
@@ -43,7 +43,7 @@ class Completion:
     token_versions: tuple[int, ...] = ()  # per token, where a sync may land mid-generation (`interruptible`)
     # per token fed through the model (the prompt, then every sampled token but the last), per MoE layer, the
     # top-k experts the engine chose: [tokens, MoE layers, k], uint8 (int16 above 256 experts); engines built
-    # with capture_routes only (actors.route_capture). From `generate_routed`, a `rlhf.routing.RouteRef`.
+    # with capture_routes only (actors.vllm.route_capture). From `generate_routed`, a `rlhf.moe.routing.RouteRef`.
     routes: Optional[Any] = None
 
 
@@ -81,7 +81,7 @@ class VLLMEngine:
             seed=seed,
             enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len,
-            worker_extension_cls="actors.vllm_worker_ext.WeightUpdateExtension",
+            worker_extension_cls="actors.vllm.worker_ext.WeightUpdateExtension",
             # Sampled-token logprobs of the distribution actually sampled (logits / temperature), which is
             # what the trainer scores; at temperature 1 raw and processed agree.
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
@@ -132,7 +132,7 @@ class VLLMEngine:
 
         from safetensors.torch import save_file
 
-        from actors.vllm_worker_ext import tensor_crc32
+        from actors.vllm.worker_ext import tensor_crc32
 
         t0 = time.perf_counter()
         tensors = {n: t.detach().contiguous() for n, t in named_tensors}
@@ -146,8 +146,8 @@ class VLLMEngine:
                 "seconds": time.perf_counter() - t0, "workers": len(replies)}
 
     # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
-    def address(self) -> tuple[str, int]:
-        return node_address()
+    def address(self, local: bool = False) -> tuple[str, int]:
+        return node_address(local)
 
     def pid(self) -> int:
         return os.getpid()
@@ -409,7 +409,7 @@ class VLLMEngine:
                 return self._generate_stepwise(prompts, params, n, keep_routes)
             from vllm.inputs import TokensPrompt
 
-            from actors.route_capture import routes_of
+            from actors.vllm.route_capture import routes_of
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
             routes = self._take_routes([req.request_id for req in outs], keep_routes)
@@ -471,17 +471,17 @@ class VLLMEngine:
         trainer pipeline stage one block of every completion's routes over the stage's MoE layers). Called
         with num_returns = 1 + stages, the blocks stay in Ray's object store, owned by the caller, and reach
         the trainer ranks without passing through it; each completion's `routes` is a `RouteRef` to its rows
-        (`actors.route_capture.split_routes`)."""
-        from actors.route_capture import split_routes
+        (`actors.vllm.route_capture.split_routes`)."""
+        from actors.vllm.route_capture import split_routes
 
         return split_routes(self.generate(prompts, **kwargs), route_stages)
 
     def _take_routes(self, request_ids: Sequence[str], keep: bool = True) -> dict | None:
-        """The routes rank 0's worker captured for these requests (`actors.route_capture.take_routes`),
+        """The routes rank 0's worker captured for these requests (`actors.vllm.route_capture.take_routes`),
         taken (and forgotten) there in any case; None where not kept."""
         if not self.capture_routes:
             return None
-        from actors.route_capture import unpack_routes
+        from actors.vllm.route_capture import unpack_routes
 
         reply = self.llm.collective_rpc("rlhf_take_routes", args=(list(request_ids),))[0]
         return unpack_routes(reply) if keep else None
@@ -489,8 +489,8 @@ class VLLMEngine:
     def _generate_stepwise(self, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
                            keep_routes: bool = True) -> list[Completion]:
         """The engine stepped here, one decode step at a time, parking between steps while an install runs
-        (`actors.vllm_stepwise`): each token records the version of the step that made it."""
-        from actors.route_capture import routes_of
+        (`actors.vllm.stepwise`): each token records the version of the step that made it."""
+        from actors.vllm.route_capture import routes_of
 
         groups = {i: (rid, samples) for done in step_groups(self, prompts, params, n) for i, rid, samples in done}
         routes = self._take_routes([groups[i][0] for i in range(len(prompts))], keep_routes)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from rlhf.balance import balance, padded_cost
+from rlhf.micro_batches import balance, padded_cost
 
 
 @pytest.mark.parametrize("lengths, dp, max_tokens", [
@@ -39,7 +39,7 @@ def test_clear_errors():
 def test_cost_balance_counts_the_attention_term_and_beats_token_balance_and_index_order():
     """One long sample among short ones: balanced by tokens, its rank also has the long sample's quadratic
     attention; balanced by predicted cost (tokens plus the attention term), the ranks' work is even."""
-    from rlhf.balance import by_index_imbalance, sample_cost
+    from rlhf.micro_batches import by_index_imbalance, sample_cost
 
     q = 0.002
     lengths = [512] + [128] * 12
@@ -57,7 +57,7 @@ def test_attention_quadratic_is_the_models_flops_ratio():
     """sample_cost(L, q) * 2 * active equals the simulator's forward FLOPs of one causal sequence of L tokens."""
     from pathlib import Path
 
-    from rlhf.balance import sample_cost
+    from rlhf.micro_batches import sample_cost
     from rlhf.config import load_model_config
     from rlhf.sim.workload import attention_quadratic, model_cost
 

@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from rlhf.schema import ModelConfig
-from rlhf.layout import Layout, check_expert_map, default_expert_map
+from rlhf.sharding.layout import Layout, check_expert_map, default_expert_map
 from rlhf.model.shapes import param_shapes
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 

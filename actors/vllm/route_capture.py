@@ -6,7 +6,7 @@ needs model runner V2), so this module does it from our worker extension, with t
 
 - every MoE layer's router (`BaseRouter.select_experts`, router/base_router.py) calls its `capture_fn`
   with the logical top-k ids of each row of the forward, before EPLB mapping and before the expert-map
-  patch of `actors/vllm_worker_ext.py` turns them into local ids (that happens inside the experts'
+  patch of `actors/vllm/worker_ext.py` turns them into local ids (that happens inside the experts'
   `apply`). This is the slot vLLM's `bind_routed_experts_capturer` uses; the routers are not rebuilt by
   `reload_weights` (it reloads in place), so the hook survives weight updates.
 - a forward hook on the model commits one forward: rows 0..n-1 are the scheduled tokens (rows past n are
@@ -186,7 +186,7 @@ def split_routes(completions: list, stages: Sequence[Sequence[int]]) -> tuple:
     whoever receives them (`actors.roles.Roles.generate`)."""
     from dataclasses import replace
 
-    from rlhf.routing import RouteRef
+    from rlhf.moe.routing import RouteRef
 
     missing = [i for i, c in enumerate(completions) if c.routes is None]
     if missing:

@@ -1,4 +1,4 @@
-"""The engines' inverse-transform sampler (actors/vllm_sampler.py): draws from softmax(logits), never a token
+"""The engines' inverse-transform sampler (actors/vllm/sampler.py): draws from softmax(logits), never a token
 of probability 0 (top-k / top-p masks, block padding), the same token for the same uniform whatever the batch,
 and vLLM's sampler takes it once the worker extension is loaded."""
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from actors.vllm_sampler import BLOCK, sample_inverse_cdf, uniforms
+from actors.vllm.sampler import BLOCK, sample_inverse_cdf, uniforms
 
 
 def test_frequencies_match_the_probabilities():
@@ -55,7 +55,7 @@ def test_seeded_rows_draw_from_their_own_generator():
 
 
 def test_vllms_cpu_sampler_takes_it():
-    import actors.vllm_worker_ext  # noqa: F401  (applies the patch, as in every vLLM worker)
+    import actors.vllm.worker_ext  # noqa: F401  (applies the patch, as in every vLLM worker)
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     sampler = TopKTopPSampler()

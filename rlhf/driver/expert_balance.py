@@ -1,6 +1,6 @@
 """Expert-parallel load balancing in the run (trainer.expert_balance, docs/expert_balance.md): the
 `ExpertBalance` component of `Run`. Each step's expert loads move the prediction on; every `every_steps` steps
-each MoE layer's placement is planned from it (`rlhf.expert_balance`), the trainer ranks migrate their experts
+each MoE layer's placement is planned from it (`rlhf.moe.balance`), the trainer ranks migrate their experts
 with their optimizer state (`ParallelTrainer.migrate_experts`), and the weight sync follows the new maps.
 """
 
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from actors.replies import UpdateReply
 from rlhf.driver.metrics import expert_parallel_load
-from rlhf.layout import default_expert_map
+from rlhf.sharding.layout import default_expert_map
 from rlhf.schema import RunConfig
 
 
@@ -66,15 +66,15 @@ class ExpertBalance:
 
     def balance(self, step: int, roles) -> None:
         """Expert-parallel load balancing (trainer.expert_balance, docs/expert_balance.md): every `every_steps`
-        steps each MoE layer's placement is planned from the load prediction (`rlhf.expert_balance.plan`);
+        steps each MoE layer's placement is planned from the load prediction (`rlhf.moe.balance.plan`);
         when a layer's plan pays (min_cv_drop), every trainer rank moves its experts with their optimizer
         state; engines with ep > 1 take a placement planned from the same prediction the same way
-        (`rlhf.expert_balance.engine_plan`), installed with the next sync; the weight-sync plan is rebuilt for
+        (`rlhf.moe.balance.engine_plan`), installed with the next sync; the weight-sync plan is rebuilt for
         both sides' new maps. Its metrics join the step's expert_load/*."""
         b = self.cfg.trainer.expert_balance
         if not b.enabled or step % b.every_steps or self.load_prediction is None:
             return
-        from rlhf.expert_balance import plan
+        from rlhf.moe.balance import plan
 
         t0 = time.time()
         p = plan(self.load_prediction, self.current_expert_maps(), self.weights.layout.trainer.expert_shards,
@@ -116,7 +116,7 @@ class ExpertBalance:
         lay = self.weights.layout.engines
         if lay.ep == 1 or lay.redundant_experts:
             return None
-        from rlhf.expert_balance import engine_plan
+        from rlhf.moe.balance import engine_plan
 
         return engine_plan(self.load_prediction, self.current_engine_experts(), lay.ep, min_cv_drop)
 

@@ -13,7 +13,7 @@ accumulated, then the chosen block's own entries), so that no token's interval i
 of a 32,000-term fp32 running sum. A token of probability 0 (masked by top-k / top-p) is never chosen: its
 interval is empty, and the draw falls in (0, total].
 
-Applied in each vLLM worker process when `actors.vllm_worker_ext` loads, for the sampler's plain mode
+Applied in each vLLM worker process when `actors.vllm.worker_ext` loads, for the sampler's plain mode
 (vLLM's `use_fp64_gumbel` and the processed-logprob modes keep vLLM's own path).
 """
 

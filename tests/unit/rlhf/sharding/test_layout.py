@@ -1,6 +1,6 @@
 import pytest
 
-from rlhf.layout import Coords, Layout
+from rlhf.sharding.layout import Coords, Layout
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(pp=2, dp=2, tp=2), Layout(pp=3, dp=2, tp=4, ep=8),

@@ -4,7 +4,7 @@ output while the router keeps its gradient, and the mismatch statistics count wh
 import torch
 
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.routing import Routing, RouteStats, sets_differ
+from rlhf.moe.routing import Routing, RouteStats, sets_differ
 from rlhf.schema import ModelConfig
 
 CFG = ModelConfig(vocab_size=48, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

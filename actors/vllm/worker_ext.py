@@ -10,7 +10,7 @@ What this extension does: for every MoE layer it clears the quant method's `moe_
 runner's `reload_weights`, so the layer takes the first-load path (replace parameters, build the kernel,
 prepack), then restores the old kernel object for any layer the update did not rebuild. Weights arrive in
 checkpoint format (on CPU linear weights are prepacked after loading and cannot be written in kernel
-format). A sync's staging buffers are installed directly where the layers allow (`actors.vllm_install`), else
+format). A sync's staging buffers are installed directly where the layers allow (`actors.vllm.install`), else
 as HF tensors with only this worker's boxes filled (its loaders narrow them). Every update is verified first
 (names, shapes, finite values, checksums); a failure touches no weight.
 """
@@ -26,9 +26,9 @@ from typing import Iterable
 
 import torch
 
-from actors.vllm_install import counts_remembered
-from actors.vllm_platform import freeze_heap, in_vllm_worker, no_tqdm_semaphore
-from actors.vllm_sampler import patch_cpu_sampler
+from actors.vllm.install import counts_remembered
+from actors.vllm.platform import freeze_heap, in_vllm_worker, no_tqdm_semaphore
+from actors.vllm.sampler import patch_cpu_sampler
 from weight_sync.p2p import ChecksumMismatch, all_finite, await_senders, forget_regions, run_plan
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,9 @@ def _patch_cpu_rotary_3d() -> None:
 
 
 _patch_cpu_rotary_3d()
-patch_cpu_sampler()  # inverse-transform sampling instead of the per-entry Gumbel kernel (actors/vllm_sampler.py)
+patch_cpu_sampler()  # inverse-transform sampling instead of the per-entry Gumbel kernel (actors/vllm/sampler.py)
 
-if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # set by vllm_platform.no_compile: eager on every thread here too
+if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # set by actors.vllm.platform.no_compile: eager on every thread here too
     torch.compiler.set_stance("force_eager")
 
 
@@ -202,14 +202,14 @@ class WeightUpdateExtension:
         return {"ok": True, "tensors": n, "rank": self.rank}
 
     def rlhf_set_route_capture(self, on: bool) -> bool:
-        """Record (or stop recording) the experts every MoE layer chooses per token (`actors.route_capture`)."""
-        from actors.route_capture import set_route_capture
+        """Record (or stop recording) the experts every MoE layer chooses per token (`actors.vllm.route_capture`)."""
+        from actors.vllm.route_capture import set_route_capture
 
         return set_route_capture(self, on)
 
     def rlhf_take_routes(self, request_ids: list[str]) -> dict | None:
         """Routes of these requests, keyed (request id, sample index), then forgotten; None off rank 0."""
-        from actors.route_capture import take_routes
+        from actors.vllm.route_capture import take_routes
 
         return take_routes(self, request_ids)
 
@@ -221,7 +221,7 @@ class WeightUpdateExtension:
 
         from safetensors.torch import load_file
 
-        from actors.vllm_install import DirectInstall
+        from actors.vllm.install import DirectInstall
 
         if how not in ("direct", "reload"):
             raise ValueError(f"rlhf_install_file: how={how!r}; give 'direct' (vLLM's names) or 'reload' (HF names)")
@@ -253,7 +253,7 @@ class WeightUpdateExtension:
 
     # --- the weight-sync group: every worker of the engine is a rank of it ---
     def rlhf_engine_rank(self) -> int:
-        """This worker's rank in its engine's layout (`rlhf.layout.InferenceLayout`): attention-DP group,
+        """This worker's rank in its engine's layout (`rlhf.sharding.layout.InferenceLayout`): attention-DP group,
         then TP rank (vLLM's expert-parallel rank is the same number)."""
         pc = self.parallel_config
         return pc.data_parallel_rank * pc.world_size + self.rank
@@ -306,7 +306,7 @@ class WeightUpdateExtension:
         device = next(iter(params.values())).device
         if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
             return {n: params[n].data for n, _ in mine.buffers}, True
-        from actors.vllm_install import DirectInstall
+        from actors.vllm.install import DirectInstall
         from rlhf.host_memory import AnonymousBuffers
 
         dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
@@ -392,7 +392,7 @@ class WeightUpdateExtension:
     def rlhf_install(self) -> dict:
         """Install what `rlhf_receive` staged: each HF tensor this worker holds a part of, with only its own
         boxes filled (vLLM's loaders read exactly those: TP slices, local experts), through the exact
-        reload above; or straight from the staging buffers where the layers allow (`actors.vllm_install`, ~3x
+        reload above; or straight from the staging buffers where the layers allow (`actors.vllm.install`, ~3x
         faster); nothing where the receive went into the parameters. "path" says which was taken."""
         import time
 

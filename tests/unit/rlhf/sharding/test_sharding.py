@@ -6,9 +6,9 @@ import torch
 from rlhf.schema import ModelConfig
 from rlhf.model.hf_io import to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.model.sharding import Split, rank_sharding, split_of, trainer_shard_spec
+from rlhf.sharding.trainer import Split, rank_sharding, split_of, trainer_shard_spec
 from weight_sync.pieces import local_tensors
-from rlhf.layout import Layout
+from rlhf.sharding.layout import Layout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,

@@ -1,4 +1,4 @@
-"""`rlhf simulate`: a run config as the simulator's candidate, its prediction as lines and one JSON dict, the
+"""`rlhf simulate`'s report: a run config as the simulator's candidate, its prediction as lines and one JSON dict, the
 search's ranking, and the best configuration written as run.yaml + placement.yaml. Pure (plans the
 weight sync for a single run, as `rlhf plan` does; starts nothing)."""
 
@@ -13,7 +13,7 @@ from rlhf.config.load import as_dict
 from rlhf.placement.device_map import device_map
 from rlhf.placement.devices import format_devices
 from rlhf.schema import RunConfig
-from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
+from rlhf.sim.candidate import Candidate, engine_choice, trainer_choice
 from rlhf.sim.cost import Sync, simulate_candidate
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.memory import GIB, engine_memory, engine_rank_params, reference_memory, trainer_memory, trainer_state_bytes
@@ -25,13 +25,10 @@ RECOMPUTE_ALL = ("attention", "experts")
 
 def candidate_of(cfg: RunConfig) -> Candidate:
     """The configuration a run config describes."""
-    t, r = cfg.trainer, cfg.rollout
     dm = device_map(cfg)
     td, rd = set(dm.devices_of("trainer")), set(dm.devices_of("rollout"))
-    return Candidate(TrainerChoice(t.pp, t.dp, t.tp, t.ep, t.experts_over_tp_ep, t.zero_stage, bool(t.recompute),
-                                   t.micro_batch_tokens, t.hierarchical_ep),
-                     EngineChoice(r.tp, r.ep, r.num_engines), colocated=bool(td & rd), trainer_devices=len(td),
-                     rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness)
+    return Candidate(trainer_choice(cfg.trainer), engine_choice(cfg.rollout), colocated=bool(td & rd),
+                     trainer_devices=len(td), rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness)
 
 
 def _plan_sync(cfg: RunConfig) -> Sync:
@@ -54,10 +51,10 @@ def simulate(cfg: RunConfig, hw: Hardware, prompt_tokens: float | None = None, r
 
 
 def memory_by_role(cfg: RunConfig, hw: Hardware) -> dict:
-    """The simulator's memory (GiB) on the busiest device of each role of `cfg`, for `rlhf plan` to print beside
-    its shard-exact state: 'state' is what the plan counts too (parameters, gradients, optimizer state; engine
-    weights), 'total' adds activations, the logits chunk and ZeRO-3's gathered layer (trainer), the KV cache
-    (rollout: `kv_cache`) and each process's runtime (the hardware file's runtime_gib)."""
+    """The memory model's figures (GiB) on the busiest device of each role of `cfg` on `hw`, for `rlhf plan`:
+    'state' (parameters, gradients, optimizer state; engine weights), 'total' adds activations, the logits chunk
+    and ZeRO-3's gathered layer (trainer), the KV cache (rollout: `kv_cache`) and each process's runtime (the
+    hardware file's runtime_gib)."""
     mc, w, c = model_cost(cfg.model), workload(cfg), candidate_of(cfg)
     rt = hw.runtime_gib
     t_rt, e_rt = rt.get("trainer", 0.0), rt.get("engine", 0.0)

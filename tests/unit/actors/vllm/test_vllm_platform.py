@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from actors import vllm_platform
-from actors.vllm_platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remove_leftover_shm
+from actors.vllm import platform as vllm_platform
+from actors.vllm.platform import IPC_PREFIX, ipc_dir, remove_dead_ipc_dirs, remove_leftover_shm
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def test_socket_dirs_of_dead_processes_go_and_live_ones_stay(tmp_path, monkeypatch):
@@ -99,7 +99,7 @@ NO_COMPILE_CHECK = """
 import os, threading
 import torch
 from torch._dynamo.utils import counters
-from actors.vllm_platform import prepare_platform
+from actors.vllm.platform import prepare_platform
 from rlhf.schema import DeviceType, RolloutConfig
 
 @torch.compile(backend="eager")  # dynamo traces (counted) without a C++ build
@@ -136,12 +136,12 @@ def test_fp32_mla_engines_on_cpu_take_the_reference_mla_backend(tmp_path):
     import json
     from pathlib import Path
 
-    from actors.vllm_platform import attention_kwargs
+    from actors.vllm.platform import attention_kwargs
     from rlhf.config import load_model_config
     from rlhf.model.hf_io import hf_config
     from rlhf.schema import DeviceType, DType, RolloutConfig
 
-    models = Path(__file__).resolve().parents[3] / "configs" / "model"
+    models = Path(__file__).resolve().parents[4] / "configs" / "model"
     mla, qwen = tmp_path / "mla", tmp_path / "qwen"
     for d, yaml in ((mla, "pangu_moe_tiny.yaml"), (qwen, "qwen3_moe_tiny.yaml")):
         d.mkdir()
@@ -192,7 +192,7 @@ def test_tqdm_bars_make_no_named_semaphore_once_told():
 import multiprocessing, os, sys
 multiprocessing.set_start_method("spawn")
 sys.path.insert(0, %r)
-from actors.vllm_platform import SEMAPHORE_PREFIX, no_tqdm_semaphore
+from actors.vllm.platform import SEMAPHORE_PREFIX, no_tqdm_semaphore
 sems = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(SEMAPHORE_PREFIX)}
 before = sems()
 if sys.argv[1] == "told":
@@ -210,7 +210,7 @@ print(len(sems() - before))
 def test_paused_gc_turns_the_collector_off_and_back_as_it_was():
     import gc
 
-    from actors.vllm_platform import paused_gc
+    from actors.vllm.platform import paused_gc
 
     assert gc.isenabled()
     with paused_gc():
@@ -235,7 +235,7 @@ def test_freeze_heap_freezes_unless_turned_off(monkeypatch):
     process that hosts more than an engine keeps its heap collectable); RLHF_FREEZE_HEAP=0 turns it off."""
     import gc
 
-    from actors.vllm_platform import freeze_heap, paused_gc
+    from actors.vllm.platform import freeze_heap, paused_gc
 
     before = gc.get_freeze_count()  # vLLM's in-process engine core froze this process's heap if one ran here
     try:
@@ -265,7 +265,7 @@ def test_only_vllms_worker_processes_count_as_workers(tmp_path):
     code = """
 import multiprocessing, sys
 sys.path.insert(0, %r)
-from actors.vllm_platform import in_vllm_worker
+from actors.vllm.platform import in_vllm_worker
 
 def child(q):
     q.put(in_vllm_worker())

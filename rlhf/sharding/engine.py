@@ -1,9 +1,10 @@
 """How a vLLM engine shards the model, declared as data: the shard spec of each engine rank's buffers, in
-HF names. Pure. The other side of a weight sync from `rlhf.model.sharding` (the trainer's).
+HF names. Pure. The other side of a weight sync from `rlhf.sharding.trainer` (the trainer's).
 
-One engine (`rlhf.layout.InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a multiple
-of tp). With ep > tp the engine runs vLLM's data-parallel attention: ep / tp groups of tp consecutive ranks, each group holding the
-attention, dense MLPs, shared experts, norms and vocabulary split over its tp ranks; the routed
+One engine (`rlhf.sharding.layout.InferenceLayout`) has W ranks: W = tp when ep == 1, else W = ep (ep a
+multiple of tp). With ep > tp the engine runs vLLM's data-parallel attention: ep / tp groups of tp consecutive
+ranks, each group holding the attention, dense MLPs, shared experts, norms and vocabulary split over its tp
+ranks; the routed
 experts are split over all W ranks by an expert map (whole experts, as vLLM's expert parallelism
 does). With ep == 1 every rank holds all experts with the intermediate dim split over tp.
 
@@ -42,7 +43,7 @@ from typing import Mapping, Sequence
 
 from rlhf.schema import Attention, ModelConfig, RouterScoring
 from rlhf.model.shapes import param_shapes
-from rlhf.layout import InferenceLayout, check_expert_map, fit_problems, padded_vocab
+from rlhf.sharding.layout import InferenceLayout, check_expert_map, fit_problems, padded_vocab
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
 Shape = tuple[int, ...]

@@ -1,19 +1,19 @@
 """The `rlhf plan` report: the device map, the memory estimate and the weight-sync plan of a run, as lines
 for the console and one summary dict. Plans the sync (seconds for a 718B model); starts nothing. Pure.
 
-Beside its shard-exact memory (parameters, gradients, optimizer state, engine weights and KV) it prints, when
-given, the simulator's figures per role (with activations and the KV cache sized from a hardware file): the
-simulator lives in `rlhf.sim`, which imports this package, so the CLI computes them and passes them in."""
+Its memory per device (parameters, gradients, optimizer state, engine weights and KV) is the memory model's
+(`rlhf.placement.device_memory` over `rlhf.sim.memory`, the one `rlhf simulate` prices with); given a hardware file's
+figures (`simulate.memory_by_role`) it adds what a run holds beyond them: activations and runtime."""
 
 from __future__ import annotations
 
 import time
 
-from rlhf.layout import InferenceLayout, Layout
+from rlhf.sharding.layout import InferenceLayout, Layout
 from rlhf.model.shapes import route_bytes_per_step
 from rlhf.placement.device_map import DeviceMap, device_map
 from rlhf.placement.devices import abbreviate, format_devices
-from rlhf.placement.memory import GIB, device_bytes, memory_notes, rank_bytes
+from rlhf.placement.device_memory import GIB, device_bytes, memory_notes, rank_bytes
 from rlhf.placement.ray_slots import placement_bundles
 from rlhf.placement.transfer import sync_layout
 from rlhf.schema import RunConfig
@@ -70,8 +70,8 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
                 simulated: dict | None = None) -> tuple[list[str], dict]:
     """Lines describing the device map, the memory estimate and the weight-sync plan, and a summary dict
     (the JSON line of `rlhf plan`). Devices are listed one by one up to `detail_up_to` used devices, grouped
-    beyond. `simulated`: the simulator's memory per role (`rlhf.sim.report.memory_by_role`), printed beside the
-    shard-exact state. Plans the sync (seconds for a 718B model); starts nothing."""
+    beyond. `simulated`: the memory model's figures per role on a hardware file with activations, KV cache and
+    runtime (`rlhf.report.simulate.memory_by_role`). Plans the sync (seconds for a 718B model); starts nothing."""
 
     dm = dm if dm is not None else device_map(cfg)
     p = cfg.placement
@@ -79,7 +79,7 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
     lay, il, topology = sync.trainer, sync.engines, sync.topology
     W = lay.world_size
     src, dst = sync.src_spec(), sync.dst_spec()
-    rb = rank_bytes(cfg, src, dst)
+    rb = rank_bytes(cfg)
     memory = device_bytes(cfg, dm, rb)
     state = {"trainer": max(rb.trainer), "rollout": max(rb.rollout_weights)}
     if "reference" in dm.role_names:
@@ -199,15 +199,13 @@ def _memory_lines(cfg: RunConfig, memory: dict[int, dict[str, int]], detail_up_t
 
 
 def _simulated_lines(state: dict[str, int], simulated: dict) -> list[str]:
-    """The simulator's figures per role beside the shard-exact state (the same quantity: the two agree,
-    tests/unit/rlhf/sim/test_memory_agreement.py)."""
-    lines = [f"memory per role, simulated (rlhf simulate's model on hardware {simulated['hardware']}; the busiest "
-             f"device of each role):"]
+    """The memory model's figures for the busiest device of each role on the hardware file (`simulated`:
+    `rlhf.report.simulate.memory_by_role`): the state above, and what a run adds to it."""
+    lines = [f"memory per role on hardware {simulated['hardware']} (the busiest device of each role):"]
     for role, v in simulated["roles"].items():
-        exact = f" (shard-exact {_bytes(state[role])})" if role in state else ""
         kv = _bytes(v.get("kv_cache", 0.0) * GIB)
         beyond = {"trainer": "with activations, the logits chunk and runtime",
                   "rollout": f"with its KV cache {kv} and runtime"}.get(role, "with runtime")
         what = "weights" if role == "rollout" else "state"
-        lines.append(f"  {role:<9} {what} {_bytes(v['state'] * GIB)}{exact}; {beyond}: {_bytes(v['total'] * GIB)}")
+        lines.append(f"  {role:<9} {what} {_bytes(v['state'] * GIB)}; {beyond}: {_bytes(v['total'] * GIB)}")
     return lines

@@ -3,7 +3,7 @@ that already hold vLLM's (checkpoint-format) parameters, without vLLM's layer-wi
 
 Where it is used: on cpu, where vLLM processes weights after loading (oneDNN handlers for linear layers, the
 MoE prepack) so a sync cannot write into the parameters it serves from. The staging buffers of a sync are
-already in vLLM's parameter names and shapes (`rlhf.model.engine_sharding`): fused qkv, merged gate/up,
+already in vLLM's parameter names and shapes (`rlhf.sharding.engine`): fused qkv, merged gate/up,
 stacked experts, this worker's TP slice and local experts, vocabulary padding rows zero. What vLLM's reload
 does with them (`reload.layerwise`: meta tensors, a wrapper around every weight loader, element counting,
 the loaders narrowing and copying each HF tensor) only rebuilds those same buffers: about 70 % of an install
@@ -11,7 +11,7 @@ of the tiny model (`benchmarks.install_bench`). This does what remains, per laye
 
 - a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE):
   its parameters replaced by copies of the staged buffers, the method's `process_weights_after_loading`
-  (the MoE one on its first-load path: kernel built, experts prepacked; `vllm_worker_ext` says why), then the
+  (the MoE one on its first-load path: kernel built, experts prepacked; `actors.vllm.worker_ext` says why), then the
   processed values copied into the layer's previous parameter storage and those parameters put back
   (vLLM's `_copy_and_restore_kernel_tensors`: whatever held them still sees the new values);
 - any other parameter (norms): copied in place;
@@ -154,7 +154,7 @@ class DirectInstall:
         copied([staged[name] for name in layer.names.values()])
         saved_kernel = getattr(qm, "moe_kernel", None)
         if saved_kernel is not None:
-            qm.moe_kernel = None  # vLLM's first-load path: replace, build the kernel, prepack (vllm_worker_ext)
+            qm.moe_kernel = None  # vLLM's first-load path: replace, build the kernel, prepack (actors.vllm.worker_ext)
         try:
             qm.process_weights_after_loading(module)
             if hasattr(module, "update_param_tp_status"):

@@ -9,7 +9,7 @@ experts), its ranks relabelled to keep as many experts where they are as possibl
 migrates only when the coefficient of variation of the predicted per-rank load (std / mean) drops by
 at least `min_cv_drop` (`plan_layer`). The plan is data (`BalancePlan`): printed, logged, tested.
 
-Expert maps are `expert -> EP rank` tuples, as `rlhf.layout.default_expert_map` makes them.
+Expert maps are `expert -> EP rank` tuples, as `rlhf.sharding.layout.default_expert_map` makes them.
 """
 
 from __future__ import annotations

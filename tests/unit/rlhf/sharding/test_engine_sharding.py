@@ -7,8 +7,8 @@ import pytest
 
 from rlhf.config import load_model_config
 from rlhf.schema import Attention, MLAConfig, ModelConfig, RouterScoring
-from rlhf.model.engine_sharding import engine_shard_spec
-from rlhf.layout import InferenceLayout
+from rlhf.sharding.engine import engine_shard_spec
+from rlhf.sharding.layout import InferenceLayout
 from weight_sync.spec import Box, Piece
 
 MODELS = Path(__file__).resolve().parents[4] / "configs" / "model"
