@@ -10,7 +10,7 @@ daemon, no image, no setuid helper), so the fork server builds it once and forks
                        random and urandom; no /proc, no /tmp, no home, none of the run's outputs
       network          a namespace of its own, its loopback down: no connection leaves, none comes in
       IPC, UTS         namespaces of their own (no shared System V memory or semaphores)
-    each sample        (`box_sample`)
+    each sample        (`box_fork`)
       PID namespace    the program is its init: it sees and signals only its own children, and everything it
                        started dies with it (its parent's death kills it too)
       its directory    bound read-write over its read-only place in the scratch directory, its cwd
@@ -63,6 +63,11 @@ _libc.mount.argtypes = (_ct.c_char_p, _ct.c_char_p, _ct.c_char_p, _ct.c_ulong, _
 _libc.umount2.argtypes = (_ct.c_char_p, _ct.c_int)
 _libc.prctl.argtypes = (_ct.c_int, _ct.c_ulong, _ct.c_ulong, _ct.c_ulong, _ct.c_ulong)
 _libc.syscall.restype = _ct.c_long
+_syscall = _ct.pythonapi.syscall  # through the Python API's handle: the GIL stays held, as os.fork holds it
+_syscall.restype = _ct.c_long
+_syscall.argtypes = (_ct.c_long,) * 6
+_before_fork, _after_fork_parent, _after_fork_child = (
+    _ct.pythonapi.PyOS_BeforeFork, _ct.pythonapi.PyOS_AfterFork_Parent, _ct.pythonapi.PyOS_AfterFork_Child)
 _NEWNS, _NEWUTS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
 _NEWCGROUP = 0x2000000
 _RDONLY, _NOSUID, _NODEV, _REMOUNT, _BIND, _REC, _PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
@@ -107,6 +112,7 @@ def box_enter(root, ro, scratch, uid_inside):
     _os.makedirs(root + "/dev", exist_ok=True)
     for dev in ("null", "zero", "random", "urandom"):
         _place(root, "/dev/" + dev, 0, 0)
+    _prepare_seal()
     _os.makedirs(root + "/.old", exist_ok=True)
     _ok(_libc.syscall(155 if _os.uname().machine == "x86_64" else 41, root.encode(), (root + "/.old").encode()),
         "pivot_root")
@@ -115,38 +121,51 @@ def box_enter(root, ro, scratch, uid_inside):
     _os.rmdir("/.old")
     _mount(None, "/", None, _BIND | _REMOUNT | _RDONLY | _NOSUID | _NODEV)
 
+def box_fork(d):
+    """os.fork() into a new PID and mount namespace (one clone: the parent stays where it is): in the child, its
+    namespace's init, `d` is bound read-write and the cwd and the process is sealed, and this returns 0; in the
+    parent, the child's pid. The child dies with its parent (the server's backstop kills it)."""
+    _before_fork()
+    pid = _syscall(56, _NEWNS | _NEWPID | 17, 0, 0, 0, 0)  # clone(flags | SIGCHLD), no new stack: a fork
+    if pid == 0:
+        _after_fork_child()
+        _libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL
+        _mount(d, d, None, _BIND)
+        _mount(None, d, None, _BIND | _REMOUNT | _NOSUID | _NODEV)
+        _os.chdir(d)
+        _seal()
+        return 0
+    _after_fork_parent()
+    if pid < 0:
+        raise OSError(_ct.get_errno(), "sandbox box: clone a PID namespace")
+    return pid
+
 def box_sample(d):
-    """In a fork of a boxed process, leading a session of its own: a PID namespace whose init runs on (this
-    returns in it, sealed), `d` read-write and the cwd; this process waits for it and exits with its status
-    (128 + the signal that killed it)."""
-    _ok(_libc.unshare(_NEWNS | _NEWPID), "unshare a PID namespace")
-    _mount(d, d, None, _BIND)
-    _mount(None, d, None, _BIND | _REMOUNT | _NOSUID | _NODEV)
-    _os.chdir(d)
-    pid = _os.fork()
+    """In a process of its own (a fresh interpreter, a compile), leading a session: `box_fork`, and this process
+    waits for the child and exits with its status (128 + the signal that killed it); returns in the child."""
+    pid = box_fork(d)
     if pid:
-        for fd in range(3, 256):
-            try:
-                _os.close(fd)
-            except OSError:
-                pass
+        _os.closerange(3, 256)  # the run's pipes end when the child ends
         status = _os.waitpid(pid, 0)[1]
         _os._exit(_os.WEXITSTATUS(status) if _os.WIFEXITED(status) else 128 + _os.WTERMSIG(status))
-    _libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: SIGKILL when its parent goes (the server's backstop kills it)
-    _seal()
+
+def _prepare_seal():
+    """What sealing needs, made once before the root changes: the kernel's last capability and the filter."""
+    global _LAST_CAP, _FPROG, _PROG
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        _LAST_CAP = int(f.read())
+    _PROG = _ct.create_string_buffer(_st.pack("HBBI" * len(_FILTER), *[v for ins in _FILTER for v in ins]))
+    _FPROG = _ct.create_string_buffer(_st.pack("HxxxxxxP", len(_FILTER), _ct.addressof(_PROG)))
 
 def _seal():
-    for cap in range(64):  # PR_CAPBSET_DROP every capability (EINVAL past the kernel's last)
+    for cap in range(_LAST_CAP + 1):  # PR_CAPBSET_DROP every capability
         _libc.prctl(24, cap, 0, 0, 0)
     _libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
     header = _ct.create_string_buffer(_st.pack("Ii", 0x20080522, 0))
     data = _ct.create_string_buffer(24)
     _ok(_libc.syscall(126, header, data), "capset")  # no effective, permitted or inheritable capability
     _ok(_libc.prctl(38, 1, 0, 0, 0), "no new privileges")
-    prog = _st.pack("HBBI" * len(_FILTER), *[v for ins in _FILTER for v in ins])
-    buf = _ct.create_string_buffer(prog)
-    fprog = _ct.create_string_buffer(_st.pack("HxxxxxxP", len(_FILTER), _ct.addressof(buf)))
-    _ok(_libc.prctl(22, 2, _ct.addressof(fprog), 0, 0), "seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    _ok(_libc.prctl(22, 2, _ct.addressof(_FPROG), 0, 0), "seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 '''
 
 

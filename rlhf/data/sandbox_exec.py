@@ -146,8 +146,6 @@ def child(d, args, fds):
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
         os.close(fd)
-    if boxed:  # the run's PID namespace, its directory writable, sealed; this process waits for it
-        box_sample(d)
     sys.argv = ["-c", *(str(fds[3]) if a == "R" else str(fds[4]) if a == "P" else a for a in args)]
     code = 0
     try:
@@ -178,7 +176,7 @@ while True:
     if not msg:
         break
     d, backstop, *args = msg.decode().split("\\0")
-    pid = os.fork()
+    pid = box_fork(d) if boxed else os.fork()  # boxed: the run is its PID namespace's init, sealed
     if pid == 0:
         child(d, args, fds)
     for fd in fds:

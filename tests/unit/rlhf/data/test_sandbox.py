@@ -184,11 +184,11 @@ def test_forked_samples_do_not_see_each_other_and_a_server_a_program_killed_is_r
     # the next fork of the same server sees none of it
     assert check("import json\n", "assert json.loads('1') == 1\nassert not hasattr(__builtins__, 'leaked')",
                  one).score == 1.0
-    # in the box a program cannot see its server (it is its PID namespace's init: its parent pid reads 0, and
-    # killing "0" kills its own group): the sample fails, the server lives on
+    # in the box a program cannot see its server: it is its PID namespace's init (its parent pid reads 0), alone in
+    # its group, and an init ignores a kill from inside its namespace: the program goes on, the server lives on
     servers = _servers()
     r = check("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + ADD, ADD_TESTS, one)
-    assert (r.score, r.status) == (0.0, "error")
+    assert (r.score, r.status) == (1.0, "passed")
     assert check(ADD, ADD_TESTS, one).score == 1.0
     assert _servers() == servers
     # without the box an assert-style program's parent is its server: killing it fails the sample, and the next one
