@@ -1,6 +1,7 @@
 """What a killed process leaves behind, and where. Directories a process keeps under a name that carries its pid,
 removed by the next process that finds their owner gone (killed, crashed): vLLM's socket directories
-(actors/vllm/platform.py) and the code verifier's precompiled headers (rlhf/data/sandbox_cpp.py). And the temp
+(actors/vllm/platform.py), the code verifier's precompiled headers (rlhf/data/sandbox_cpp.py) and its box's
+directories (rlhf/data/sandbox_box.py). And the temp
 directory pointed elsewhere while a library makes the temp files it removes only at a normal exit (`temp_dir`)."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def remove_dead_process_dirs(base: str, prefix: str) -> list[str]:
     for path in Path(base).glob(f"{prefix}*"):
         pid = path.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.chmod(path, 0o700)  # one its owner kept unlistable (the code verifier's box scratch)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed

@@ -37,6 +37,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from rlhf.leftovers import remove_dead_process_dirs
+
 BOX_UID = 1000  # the worker's uid and gid inside the box
 BLOCKED_SIGNAL = 31  # SIGSYS: the seccomp filter killed the program
 
@@ -229,14 +231,24 @@ def read_only_paths(site_packages: bool, extra: tuple[str, ...] = ()) -> list[st
     return [p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths)]  # not inside another
 
 
+ROOT_PREFIX, WORK_PREFIX = "rlhf-boxroot-", "rlhf-boxwork-"  # + the pid of the worker that made them
+
+
+def remove_dead_dirs() -> list[str]:
+    """The box directories of workers that are gone (killed before their exit)."""
+    base = tempfile.gettempdir()
+    return remove_dead_process_dirs(base, ROOT_PREFIX) + remove_dead_process_dirs(base, WORK_PREFIX)
+
+
 @functools.lru_cache(maxsize=1)
 def scratch() -> tuple[str, str]:
     """This worker's (box mountpoint, scratch directory): the empty directory every box's root is mounted on (in
     its own mount namespace), and the directory the samples' directories are made in, read-only in the box and
     not listable (mode 0311: the worker makes directories in it, a program cannot see its neighbours). Both
-    removed at exit."""
-    root = tempfile.mkdtemp(prefix="rlhf-boxroot-")
-    d = tempfile.mkdtemp(prefix="rlhf-boxwork-")
+    removed at exit; those of a worker killed before its exit, by the next one (`remove_dead_dirs`)."""
+    remove_dead_dirs()
+    root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-")
+    d = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
     os.chmod(d, 0o311)
 
     def remove():

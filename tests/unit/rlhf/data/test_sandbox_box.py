@@ -157,3 +157,20 @@ def test_the_filter_jumps_forward_and_ends_in_returns():
     for i, (code, jt, jf, _) in enumerate(prog):
         if code & 0x07 == 0x05:  # a jump: both targets inside the program
             assert i + 1 + max(jt, jf) < len(prog)
+
+
+def test_the_box_directories_of_a_killed_worker_are_removed_by_the_next(tmp_path, monkeypatch):
+    import tempfile
+
+    from rlhf.data.sandbox_box import ROOT_PREFIX, WORK_PREFIX, remove_dead_dirs
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = [tmp_path / f"{ROOT_PREFIX}{gone.pid}-x", tmp_path / f"{WORK_PREFIX}{gone.pid}-y"]
+    mine = tmp_path / f"{WORK_PREFIX}{os.getpid()}-z"
+    for d in dead + [mine]:
+        (d / "sample").mkdir(parents=True)
+    dead[1].chmod(0o311)  # kept unlistable, as a worker keeps its scratch
+    assert sorted(remove_dead_dirs()) == sorted(d.name for d in dead)
+    assert not any(d.exists() for d in dead) and mine.exists()
