@@ -9,7 +9,7 @@ with the CLI, wires the roles (`actors`) to the pure layers below.
     run         a run's inputs (checked before any actor starts) and its state, in components:
     record        each step's metrics, the phases, the accuracy history, the result
     faults        dead engines replaced, trainer ranks restarted from a checkpoint, chaos kills
-    balance       expert-load balancing (EDPB): the load prediction and the placements it leads to
+    expert_balance  expert-load balancing (EDPB): the load prediction and the placements it leads to
     turns       the devices' turns where StaleSync's engines and the trainer share devices
     rollout     one step's rollouts: draw prompts, generate groups, score, dynamic sampling
     metrics     a step's metrics from the roles' replies

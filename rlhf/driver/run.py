@@ -4,7 +4,7 @@ itself (`Run`): its roles, where it stands, and its components, each with one jo
     Recorder        each step's metrics, the driver's phases, the accuracy history, the result (`record`)
     WeightSync      the layout and plan the weights go to the engines by; follows expert moves
     Colocation      whose turn it is on devices the trainer and the engines share
-    ExpertBalance   the expert-load prediction and the placements it leads to (`balance`)
+    ExpertBalance   the expert-load prediction and the placements it leads to (`expert_balance`)
     Faults          dead or hung processes replaced, restarts counted, chaos injected (`faults`)
 
 and the pieces of a step the loop (`loop`) and the learning half (`step`) call.
