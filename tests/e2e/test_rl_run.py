@@ -75,14 +75,60 @@ def killed_families():
     assert not alive, [p.name() for p in alive]
 
 
+ROLES = ("ray::TrainerWorker", "ray::PolicyWorker", "ray::VLLMEngine", "ray::RuleRewardWorker")
+LISTENING: dict[int, set] = {}  # the short run's role processes: pid -> {(address, port)} seen listening
+TITLES: dict[int, str] = {}  # pid -> its process title (ray::<role class>...)
+
+
+def _sample_listeners(stop) -> None:
+    """While the short run goes: every role process's listening TCP sockets, as `ss -ltnp` shows them."""
+    import psutil
+
+    while not stop.wait(0.5):
+        for p in psutil.process_iter(["pid", "name", "cmdline"]):
+            title = " ".join(p.info["cmdline"] or [])
+            if not title.startswith(ROLES):
+                continue
+            try:
+                conns = p.net_connections(kind="tcp")
+            except (psutil.Error, OSError):
+                continue
+            TITLES[p.info["pid"]] = title
+            LISTENING.setdefault(p.info["pid"], set()).update(
+                (c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
+
+
 @pytest.fixture(scope="module")
 def short_run(tiny, ray_session, tmp_path_factory):
+    import threading
+
     d, _ = tiny
     out = tmp_path_factory.mktemp("run")
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, out, f"steps={STEPS}", "eval_every=8", "checkpoint.every_steps=8", "algorithm.kl_coef=0.001",
         "rollout.capture_routes=true", *BALANCE, *ASLEEP))
-    return out, train(cfg)
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_listeners, args=(stop,), daemon=True)
+    sampler.start()
+    try:
+        return out, train(cfg)
+    finally:
+        stop.set()
+        sampler.join(10)
+
+
+def test_a_local_run_listens_on_loopback_but_for_rays_own_server(short_run):
+    """docs/security.md: the groups our roles make (the trainer's, the reference's, the weight sync) listen on
+    127.0.0.1 in a local run; the one listener of a role process on a wider address is Ray's core-worker server
+    (one per Ray worker process, on every interface). torch's own store would add a second (rank 0 of each group)."""
+    import ipaddress
+
+    assert LISTENING, "no role process was seen while the run went"
+    loop = {pid for pid, seen in LISTENING.items() if any(ipaddress.ip_address(ip).is_loopback for ip, _ in seen)}
+    assert any(TITLES[pid].startswith("ray::TrainerWorker") for pid in loop)  # the groups were seen
+    wider = {TITLES[pid]: sorted(a for a in seen if not ipaddress.ip_address(a[0]).is_loopback)
+             for pid, seen in LISTENING.items()}
+    assert all(len(a) <= 1 and all(ip in ("0.0.0.0", "::") for ip, _ in a) for a in wider.values()), wider
 
 
 def test_reward_rises_and_every_sync_is_exact(short_run):
