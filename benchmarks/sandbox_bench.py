@@ -156,7 +156,7 @@ def hostile(timeout_s: float) -> int:
     from rlhf.data.sandbox import check_batch
     from rlhf.data.sandbox_box import box_problem
     from rlhf.data.sandbox_exec import close_all
-    from rlhf.data.sandbox_hostile import Setup, attacks, response
+    from rlhf.data.sandbox_hostile import Setup, attacks, left_behind, response
     from rlhf.schema import SandboxConfig
 
     problem = box_problem()
@@ -182,7 +182,7 @@ def hostile(timeout_s: float) -> int:
             holder.kill()
             listener.close()
     time.sleep(1.0)
-    left = [p for p in os.listdir("/proc") if p.isdigit() and marker.encode() in _cmdline(p)]
+    left = left_behind(marker)
     worked = [a.name for a, r in zip(battery, results) if r.score != 0.0 and not a.leaves_processes]
     for a, r in zip(battery, results):
         print(f"{a.name:<48} {r.status:<8} {r.detail.replace(chr(10), ' ')[-90:]}", flush=True)
@@ -190,14 +190,6 @@ def hostile(timeout_s: float) -> int:
                                                                              zip(battery, results)},
                       "listener_connections": len(accepted), "processes_left": len(left)}))
     return 1 if worked or accepted or left else 0
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 if __name__ == "__main__":

@@ -215,6 +215,7 @@ def seccomp_filter() -> list[tuple[int, int, int, int]]:
     return prog
 
 
+@functools.lru_cache(maxsize=1)
 def box_code() -> str:
     """BOX with its filter, ready to run in a boxed process."""
     return BOX + f"\n_FILTER = {seccomp_filter()!r}\n"
@@ -270,10 +271,12 @@ class Box:
     ro: tuple[str, ...]
 
     @staticmethod
+    @functools.lru_cache(maxsize=8)  # asked for by every sample: one per worker and setting
     def for_worker(site_packages: bool, extra: tuple[str, ...] = ()) -> "Box":
         root, d = scratch()
         return Box(root, d, tuple(read_only_paths(site_packages, extra)))
 
+    @functools.cached_property  # the key a sample's fork server is found by: made once per Box
     def server_code(self) -> str:
         """Python that puts the process running it (a fork server) into the box."""
         return box_code() + f"box_enter({self.root!r}, {list(self.ro)!r}, {self.scratch!r}, {BOX_UID})\n"
@@ -281,7 +284,7 @@ class Box:
     def sample_code(self, d: str) -> str:
         """Python that puts the process running it into the box and forks sample directory `d`'s PID namespace,
         sealed: put before a fresh interpreter's launcher or the compile wrapper."""
-        return self.server_code() + f"box_sample({d!r})\n"
+        return self.server_code + f"box_sample({d!r})\n"
 
 
 @functools.lru_cache(maxsize=1)

@@ -367,7 +367,7 @@ class Run:
         self.broken = False
         if fork_server and available():
             for attempt in range(2):  # a server broken while idle is replaced once
-                self.server = checkout(flags, env, box.server_code() if box else None)
+                self.server = checkout(flags, env, box.server_code if box else None)
                 try:
                     self.pid = self.server.start(d, backstop, args, fds)
                     return

@@ -11,6 +11,7 @@ environment, a loopback port that listens (connections are counted: none may arr
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 
@@ -107,3 +108,17 @@ def attacks(s: Setup) -> list[Attack]:
 def response(a: Attack) -> str:
     """The attack as a policy's response (a fenced block of its language)."""
     return f"```{a.language}\n{a.program}\n```"
+
+
+def left_behind(marker: str) -> list[str]:
+    """Command lines of the processes on this machine that carry `marker` (what the attacks started and left)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(cmd)
+    return found

@@ -20,7 +20,7 @@ import pytest
 
 from rlhf.data.sandbox import check, check_batch
 from rlhf.data.sandbox_box import box_problem, isolation_problem, seccomp_filter
-from rlhf.data.sandbox_hostile import Setup, attacks, response
+from rlhf.data.sandbox_hostile import Setup, attacks, left_behind, response
 from rlhf.schema import SandboxConfig, SandboxIsolation
 
 pytestmark = pytest.mark.skipif(box_problem() is not None, reason=f"no box on this machine: {box_problem()}")
@@ -76,19 +76,6 @@ def setup(tmp_path):
         home.unlink(missing_ok=True)
 
 
-def _left(marker: str) -> list[str]:
-    """Processes on this machine whose command line carries `marker`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            found.append(cmd)
-    return found
-
-
 def _servers() -> list[int]:
     from rlhf.data import sandbox_exec
 
@@ -110,9 +97,9 @@ def test_every_attack_fails_in_the_box_and_nothing_of_it_outlives_the_sample(set
     time.sleep(0.2)
     assert listener.accepted == 0
     deadline = time.time() + 5
-    while _left(s.marker) and time.time() < deadline:
+    while left_behind(s.marker) and time.time() < deadline:
         time.sleep(0.05)
-    assert _left(s.marker) == [], "processes the attacks started outlived them"
+    assert left_behind(s.marker) == [], "processes the attacks started outlived them"
     assert not Path(f"/tmp/escaped-{s.marker}").exists() and not Path("/usr/escaped").exists()
     # the worker (this process) and its fork servers went on: a right program still passes
     servers = _servers()
