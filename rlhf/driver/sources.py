@@ -14,7 +14,7 @@ of it, and the metrics only it knows. A new source (multi-turn episodes, a repla
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import ContextManager, Protocol
 
@@ -83,9 +83,8 @@ class Collect:
     def trained(self, run, step: int) -> None:
         pass
 
-    @contextmanager
-    def quiet(self):
-        yield
+    def quiet(self) -> ContextManager:
+        return nullcontext()
 
     def state(self, d: Path) -> dict:
         return {}
