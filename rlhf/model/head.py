@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.model.layers import autocast_dtype, cast_once
+from rlhf.model.layers import autocast_dtype, cast_once, grad_into
 
 CHUNK_TOKENS = 1024  # tokens per matmul
 # an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
@@ -53,6 +53,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 logp_N[i:i + n] = z_RV.gather(1, targets_N[i:i + n, None]).squeeze(1) - lse_R
                 ent_N[i:i + n] = lse_R - torch.exp(z_RV - lse_R[:, None]).mul_(z_RV).sum(-1)
         ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
+        ctx.param = weight_VH if weight_VH.is_leaf else None  # (a gathered ZeRO-3 weight is not a leaf)
         ctx.weight_dtype = weight_VH.dtype
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_N, ent_N
@@ -62,8 +63,12 @@ class _HeadLogprobs(torch.autograd.Function):
         hidden_NH, w_VH, targets_N, ent_N, lse_N = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
+        # the weight's gradient: added into its fp32 gradient buffer in place where there is one (`grad_into`),
+        # else summed over the chunks in fp32 and returned
+        into = grad_into(ctx.param) if ctx.needs_input_grad[1] else None
+        ctx.param = None
         grad_w = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) \
-            if ctx.needs_input_grad[1] else None
+            if ctx.needs_input_grad[1] and into is None else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
         kept, ctx.logits = ctx.logits, None  # a second backward (retain_graph) recomputes them
         for j, a in enumerate(range(0, hidden_NH.shape[0], chunk)):
@@ -94,7 +99,9 @@ class _HeadLogprobs(torch.autograd.Function):
                 zc_CV[rows] = dz_RV
             if grad_h is not None:
                 grad_h[a:a + chunk] = zc_CV @ w_VH
-            if grad_w is not None:
+            if into is not None:
+                into.add_(zc_CV.T @ h_CH)
+            elif grad_w is not None:
                 grad_w += (zc_CV.T @ h_CH).float()
         return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from rlhf.model.head import head_logprobs
 from rlhf.model.experts import grouped_mm_fits, grouped_mm_supported, grouped_swiglu, looped_swiglu
-from rlhf.model.layers import RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
+from rlhf.model.layers import Embedding, RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.moe.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -269,7 +269,7 @@ class MTPLayer(DecoderLayer):
 class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         # MTP modules follow the decoder layers, under the names checkpoints give them (model.layers.{L + k});
         # the forward runs the first num_hidden_layers only.
         L = cfg.num_hidden_layers

@@ -103,3 +103,54 @@ def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtyp
 
     kept, recomputed = grads(2**30, twice=True), grads(0)
     assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+
+
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_a_gradient_buffer_gets_the_weight_gradient_added_in_place(chunk):
+    """A weight whose fp32 gradient buffer is already there (the trainer's, zeroed before a step) gets each
+    micro-batch's gradient added into it in place: the same sums as autograd's returned-then-accumulated
+    gradient, bit for bit into zeros and with one chunk, to fp32 rounding over several chunks."""
+    g = torch.Generator().manual_seed(4)
+    B, T, H, V = 2, 6, 8, 40
+    weight = torch.randn(V, H, generator=g)
+    batches = [(torch.randn(B, T, H, generator=g), torch.randint(0, V, (B, T), generator=g)) for _ in range(3)]
+    plain = weight.clone().requires_grad_()
+    fused = weight.clone().requires_grad_()
+    fused.grad = torch.zeros_like(fused)
+    buffer = fused.grad
+    for i, (hidden, ids) in enumerate(batches):
+        for w in (plain, fused):
+            logp, ent = head_logprobs(hidden, w, ids, chunk=chunk)
+            (logp.sum() + 0.1 * ent.sum()).backward()
+        assert fused.grad is buffer  # the same storage throughout
+        if i == 0 or chunk >= B * T:
+            assert torch.equal(fused.grad, plain.grad)
+        else:
+            assert torch.allclose(fused.grad, plain.grad, atol=1e-6)
+
+
+def test_the_embedding_adds_token_rows_into_its_gradient_buffer():
+    from rlhf.model.layers import Embedding
+
+    g = torch.Generator().manual_seed(5)
+    ref, emb = torch.nn.Embedding(30, 4), Embedding(30, 4)
+    emb.load_state_dict(ref.state_dict())
+    emb.weight.grad = torch.zeros_like(emb.weight)
+    buffer = emb.weight.grad
+    for i in range(3):
+        ids = torch.randint(0, 30, (3, 7), generator=g)
+        ids[0, :3] = 5  # a repeated token
+        up = torch.randn(3, 7, 4, generator=g)
+        (ref(ids) * up).sum().backward()
+        (emb(ids) * up).sum().backward()
+        assert emb.weight.grad is buffer
+        assert torch.equal(emb.weight.grad, ref.weight.grad) if i == 0 else \
+            torch.allclose(emb.weight.grad, ref.weight.grad, atol=1e-6)
+    # without a buffer (a first backward, or a gathered ZeRO-3 weight) autograd's own gradient
+    plain = Embedding(30, 4)
+    plain.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 30, (2, 5), generator=g)
+    plain(ids).sum().backward()
+    ref.weight.grad = None
+    ref(ids).sum().backward()
+    assert torch.equal(plain.weight.grad, ref.weight.grad)
