@@ -54,11 +54,16 @@ class TokenBatch:
     @staticmethod
     def from_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                      rollout_logp: Sequence[Sequence[float]] | None = None, pad_id: int = 0,
-                     temperature: float = 1.0, routes: Sequence | None = None) -> "TokenBatch":
+                     temperature: float = 1.0, routes: Sequence | None = None,
+                     loss_masks: Sequence[Sequence[int]] | None = None) -> "TokenBatch":
         """`routes`: per sample, the engine's expert choices [tokens routed, MoE layers, k] (numpy or torch
-        integers) for its first tokens (prompt and response; the last token is never routed)."""
+        integers) for its first tokens (prompt and response; the last token is never routed). `loss_masks`: per
+        sample, 1 or 0 for each response token (a multi-turn episode's: 0 on the environment's observation
+        tokens, which the policy read but did not sample); default all 1."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        if loss_masks is not None and [len(m) for m in loss_masks] != [len(r) for r in responses]:
+            raise ValueError("loss_masks: one 0/1 entry per response token of every sample")
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
         B, T = len(seqs), max(map(len, seqs))
         ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -68,7 +73,7 @@ class TokenBatch:
         for i, (p, s) in enumerate(zip(prompts, seqs)):
             ids[i, :len(s)] = torch.tensor(s)
             attn[i, :len(s)] = 1
-            mask[i, len(p) - 1:len(s) - 1] = 1
+            mask[i, len(p) - 1:len(s) - 1] = 1 if loss_masks is None else torch.tensor(loss_masks[i], dtype=mask.dtype)
             if lp is not None:
                 lp[i, len(p) - 1:len(s) - 1] = torch.tensor(rollout_logp[i], dtype=torch.float32)
         return TokenBatch(ids, attn, mask, rollout_logp_BT=lp, temperature=temperature,

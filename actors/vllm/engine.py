@@ -391,19 +391,22 @@ class VLLMEngine:
         n: int = 1,
         temperature: float | None = None,
         top_p: float | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | Sequence[int] | None = None,
         seed: int | Sequence[int] | None = None,
         ignore_eos: bool = False,
         keep_routes: bool = True,
+        stop: Sequence[str] | None = None,
     ) -> list[Completion]:
         """`n` completions per prompt (prompt token ids, BOS included); greedy when temperature is 0;
         `ignore_eos`: every completion runs to max_tokens (benchmarks, tests). `seed`: one per prompt, or one
         for the call from which each prompt's own is derived (`prompt_seed`); sample k of a prompt seeded s
-        draws from s + k; None: unseeded. `keep_routes=False`: with capture_routes, the call's routes are
-        dropped (an evaluation's: nothing trains on them)."""
+        draws from s + k; None: unseeded. `max_tokens`: one for all, or one per prompt (an episode's turn:
+        what is left of its context). `stop`: this call's stop strings instead of rollout.stop (an agent
+        turn's: a tool call's end, kept in the text as it is in the tokens). `keep_routes=False`: with
+        capture_routes, the call's routes are dropped (an evaluation's: nothing trains on them)."""
         with self._generating_call():
             self._check_serving()
-            params = self._params(len(prompts), n, temperature, top_p, max_tokens, seed, ignore_eos)
+            params = self._params(len(prompts), n, temperature, top_p, max_tokens, seed, ignore_eos, stop)
             self._prefix_cache_current()
             if self.interruptible:
                 return self._generate_stepwise(prompts, params, n, keep_routes)
@@ -418,7 +421,8 @@ class VLLMEngine:
                                                                      len(prompts[i]) + len(c.token_ids) - 1))
                     for i, req in enumerate(outs) for c in req.outputs]
 
-    def _params(self, count: int, n: int, temperature, top_p, max_tokens, seed, ignore_eos: bool) -> list:
+    def _params(self, count: int, n: int, temperature, top_p, max_tokens, seed, ignore_eos: bool,
+                stop: Sequence[str] | None = None) -> list:
         """One SamplingParams per prompt (`generate`'s arguments)."""
         from vllm import SamplingParams
 
@@ -428,16 +432,24 @@ class VLLMEngine:
             raise ValueError(f"generate: {len(seed)} seeds for {count} prompts; give one per prompt or one int")
         else:
             seeds = list(seed)
+        if max_tokens is None or isinstance(max_tokens, int):
+            caps = [self.cfg.max_new_tokens if max_tokens is None else max_tokens] * count
+        elif len(max_tokens) != count:
+            raise ValueError(f"generate: {len(max_tokens)} max_tokens for {count} prompts; give one per prompt "
+                             "or one int")
+        else:
+            caps = list(max_tokens)
         return [SamplingParams(
             n=n,
             temperature=self.cfg.temperature if temperature is None else temperature,
             top_p=self.cfg.top_p if top_p is None else top_p,
-            max_tokens=self.cfg.max_new_tokens if max_tokens is None else max_tokens,
-            stop=list(self.cfg.stop) or None,
+            max_tokens=cap,
+            stop=(list(self.cfg.stop) if stop is None else list(stop)) or None,
+            include_stop_str_in_output=stop is not None,
             seed=s,
             logprobs=0,  # the sampled token's own logprob
             ignore_eos=ignore_eos,
-        ) for s in seeds]
+        ) for s, cap in zip(seeds, caps)]
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float | None = None,
                         top_p: float | None = None, max_tokens: int | None = None,

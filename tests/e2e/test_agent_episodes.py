@@ -1,0 +1,80 @@
+"""Multi-turn episodes on a real vLLM engine, token in and token out: every turn continues from the episode's
+own ids, the recorded ids are what the engine sampled, and each sampled token's recorded logprob is the
+engine's own for that token given exactly the episode's context."""
+
+import os
+
+import pytest
+import torch
+
+from rlhf.agents.environment import Observation
+from rlhf.agents.episode import Limits, Status
+from rlhf.agents.runner import run_episodes
+from rlhf.config import load_model_config
+from rlhf.data.prompts import PromptRow
+from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
+from rlhf.model.hf_io import save_pretrained
+from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.schema import RolloutConfig
+
+pytestmark = pytest.mark.vllm
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+ALPHABET = "0123456789+-*=?: <>/calcresultero()"
+
+
+class Tool:
+    """Answers every turn with a tool result, and ends the episode after its third turn."""
+
+    stop = ("</calc>",)
+
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns == 3:
+            return Observation(done=True, reward=1.0)
+        return Observation(text=f"<result>{len(text)}</result>")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from actors.vllm.engine import VLLMEngine
+
+    d = tmp_path_factory.mktemp("agent")
+    cfg = load_model_config(os.path.join(CONFIGS, "model", "qwen3_moe_tiny.yaml"), ["vocab_size=64"])
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    m.init_weights(3, std=0.1)
+    tok = build_tokenizer(64, ALPHABET)
+    save_tokenizer(tok, d)
+    save_pretrained(m, d)
+    e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0), max_model_len=128)
+    yield e, tok
+    e.close()
+
+
+def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
+    e, tok = engine
+    rows = [PromptRow(f"{i}+{i}=", str(2 * i), f"t:{i}") for i in range(4)]
+    prompts = [tok.encode(r.prompt).ids for r in rows]
+    calls = []
+
+    def generate(contexts, max_tokens, stop, seeds):
+        calls.append([list(c) for c in contexts])
+        return e.generate(contexts, n=1, max_tokens=max_tokens, stop=stop, seed=seeds)
+
+    limits = Limits(max_turns=4, max_tokens=100, turn_tokens=8)
+    eps, counts = run_episodes(generate, Tool, rows, prompts, tok, limits, seed=5)
+    assert counts["token_mismatch"] == 0 and counts["done"] + counts["max_tokens"] == 4
+    assert any(ep.turns == 3 and ep.status is Status.done for ep in eps)
+    for ep in eps:
+        s = ep.sample()  # verified
+        # each turn after the first was handed exactly the episode's prefix: prompt, sampled and observed ids
+        for k, start in enumerate(ep.turn_starts):
+            assert list(ep.prompt_ids) + ep.ids[:start] in calls[k]
+        # the recorded logprobs are the engine's own for those tokens in that exact context
+        full = list(ep.prompt_ids) + ep.ids
+        scored = torch.tensor(e.sequence_logprobs([full])[0])[len(ep.prompt_ids) - 1:]
+        m = torch.tensor(s["mask"], dtype=torch.bool)
+        assert torch.allclose(torch.tensor(s["logp"])[m], scored[m], atol=1e-4)
+        assert all(v == 0 for v, keep in zip(s["versions"], s["mask"]) if keep)

@@ -1,0 +1,148 @@
+"""The episode loop over a scripted batch generate: token-in-token-out across turns, the calculator tool,
+every end status counted (done, max_turns, max_tokens, timeout, env_error), and environments refused by
+name when they cannot be loaded."""
+
+import time
+import types
+
+import pytest
+
+from rlhf.agents.calculator import Calculator, evaluate
+from rlhf.agents.environment import Observation, load_environment
+from rlhf.agents.episode import Limits, Status
+from rlhf.agents.runner import run_episodes
+from rlhf.data.prompts import PromptRow
+from rlhf.data.tokenizer import EOS, build_tokenizer
+from rlhf.errors import ConfigError
+
+ALPHABET = "0123456789+-*=?: <>/calcresultero()"
+TOK = build_tokenizer(64, ALPHABET)
+EOS_ID = TOK.token_to_id(EOS)
+
+
+def ids(text):
+    return TOK.encode(text, add_special_tokens=False).ids
+
+
+class Scripted:
+    """A batch generate that answers each episode's turns from a script of texts (the policy's turns) and
+    records every context it was given, so the test can check what each turn continued from."""
+
+    def __init__(self, scripts):
+        self.scripts, self.calls = scripts, []
+
+    def __call__(self, contexts, max_tokens, stop, seeds):
+        self.calls.append((contexts, max_tokens, tuple(stop)))
+        outs = []
+        for ctx, room in zip(contexts, max_tokens):
+            ep = ctx[1]  # each prompt names its episode in its second token
+            turn = sum(1 for c in self.calls for x in c[0] if x[1] == ep) - 1
+            want = ids(self.scripts[int(TOK.id_to_token(ep))][turn])
+            toks = want[:room]
+            outs.append(types.SimpleNamespace(token_ids=toks, logp=[-0.5] * len(toks), weight_version=7,
+                                              token_versions=(), finish_reason="stop" if toks == want else "length"))
+        return outs
+
+
+def _rows(answers):
+    return [PromptRow(f"{i}:", a, f"t:{i}") for i, a in enumerate(answers)]
+
+
+def test_the_calculator_episode_continues_from_its_own_tokens_and_is_scored():
+    rows = _rows(["579", "12"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    gen = Scripted({0: ["<calc>123+456</calc>", "579"], 1: ["13"]})
+    eps, counts = run_episodes(gen, Calculator, rows, prompts, TOK, Limits(max_turns=3, max_tokens=64,
+                                                                            turn_tokens=32))
+    assert [e.status for e in eps] == [Status.done, Status.done] and [e.reward for e in eps] == [1.0, 0.0]
+    assert counts["done"] == 2 and counts["env_steps"] == 3 and counts["token_mismatch"] == 0
+    e = eps[0]
+    assert e.ids == ids("<calc>123+456</calc>") + ids("<result>579</result>") + ids("579")
+    assert e.mask == [1] * 20 + [0] * 20 + [1] * 3
+    # the second turn continued from exactly the prompt, the sampled call and the observation's own tokens
+    second = gen.calls[1][0][0]
+    assert second == list(prompts[0]) + ids("<calc>123+456</calc>") + ids("<result>579</result>")
+    assert gen.calls[0][2] == ("</calc>",) and e.versions[:20] == [7] * 20 and e.versions[20] == -1
+
+
+def test_limits_end_episodes_and_every_status_is_counted():
+    rows = _rows(["1", "2"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    calls = ["<calc>1+1</calc>"] * 5
+    eps, counts = run_episodes(Scripted({0: calls, 1: calls}), Calculator, rows, prompts, TOK,
+                               Limits(max_turns=2, max_tokens=200, turn_tokens=32))
+    assert [e.status for e in eps] == [Status.max_turns] * 2 and counts["max_turns"] == 2
+    assert all(e.turns == 2 and e.trained for e in eps)
+    eps, counts = run_episodes(Scripted({0: calls, 1: calls}), Calculator, rows, prompts, TOK,
+                               Limits(max_turns=5, max_tokens=40, turn_tokens=32))
+    assert counts["max_tokens"] == 2 and all(len(e.prompt_ids) + len(e.ids) <= 40 for e in eps)
+
+
+class Flaky:
+    stop = ("</calc>",)
+
+    def __init__(self, mode="ok"):
+        self.mode = mode
+
+    def reset(self, row):
+        self.mode = row.answer
+
+    def step(self, text):
+        if self.mode == "hang":
+            time.sleep(30)
+        if self.mode == "raise":
+            raise RuntimeError("tool down")
+        if self.mode == "bad":
+            return {"text": "not an Observation"}
+        if self.mode == "both":
+            return Observation(text="a", token_ids=[5])
+        return Observation(done=True, reward=1.0)
+
+
+def test_environment_faults_end_their_episodes_only_and_never_stall_the_round():
+    rows = _rows(["ok", "hang", "raise", "bad", "both"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    t0 = time.monotonic()
+    eps, counts = run_episodes(Scripted({i: ["1"] for i in range(5)}), Flaky, rows, prompts, TOK,
+                               Limits(step_timeout_s=0.5))
+    assert time.monotonic() - t0 < 5  # the hung step is left behind, not waited for
+    assert [e.status for e in eps] == [Status.done, Status.timeout, Status.env_error, Status.env_error,
+                                       Status.env_error]
+    assert "tool down" in eps[2].error and "not an rlhf.agents.environment.Observation" in eps[3].error
+    assert "both text and token_ids" in eps[4].error
+    assert (counts["done"], counts["timeout"], counts["env_error"]) == (1, 1, 3)
+    assert [e.trained for e in eps] == [True, False, False, False, False]
+
+
+def test_an_environment_that_fails_at_reset_is_counted_not_lost():
+    class Broken(Flaky):
+        def reset(self, row):
+            raise KeyError("no such task")
+
+    eps, counts = run_episodes(Scripted({0: ["1"]}), Broken, _rows(["1"]), [TOK.encode("0:").ids], TOK, Limits())
+    assert eps[0].status is Status.env_error and "reset" in eps[0].error and counts["env_error"] == 1
+
+
+def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else():
+    assert evaluate("123+456") == 579 and evaluate("(2+3)*-4") == -20 and evaluate(" 7 - 10 ") == -3
+    for bad in ("__import__('os')", "2**100", "1/2", "x+1", "1.5+1", "9" * 70, "(" * 200 + "1" + ")" * 200, ""):
+        assert evaluate(bad) is None, bad
+    calc = Calculator()
+    calc.reset(PromptRow("", "5", ""))
+    assert calc.step("<calc>2+3</calc>") == Observation(text="<result>5</result>")
+    assert calc.step("<calc>2/3</calc>") == Observation(text="<result>error</result>")
+    assert calc.step("5") == Observation(done=True, reward=1.0)
+    assert calc.step("<calc>2+3</calc> and more") == Observation(done=True, reward=0.0)
+
+
+def test_environments_are_loaded_by_name_and_refused_with_what_to_change():
+    make = load_environment("rlhf.agents.calculator:Calculator", {"close_tag": "</c>"})
+    assert make().stop == ("</c>",)
+    for spec, args, msg in [("calculator", None, "give 'module:Class'"),
+                            ("no_such_module_xyz:Env", None, "does not import"),
+                            ("rlhf.agents.calculator:Nope", None, "has no class 'Nope'"),
+                            ("rlhf.agents.calculator:evaluate", None, "has no class"),
+                            ("rlhf.agents.episode:Limits", None, "has no reset or step"),
+                            ("rlhf.agents.calculator:Calculator", {"colour": 1}, "fix agent.environment_args")]:
+        with pytest.raises(ConfigError, match=msg):
+            load_environment(spec, args)
