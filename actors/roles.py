@@ -106,7 +106,7 @@ class Roles:
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
                          interruptible=partial, capture_routes=cfg.captures_routes, stale_shm=tuple(stale_shm),
                          max_concurrency=3 if partial else 1, probe_s=cfg.rollout.liveness_probe_s,
-                         **slot("rollout", k * rpe))
+                         whole_prefills=cfg.agent.enabled, **slot("rollout", k * rpe))
 
         left = recorded_shm(shm_record)
         if left:  # every engine gets the whole list: each removes what is on its node (the names are unique)
@@ -254,9 +254,12 @@ class Roles:
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, phase: str = "generate",
                  route_stages: Sequence[Sequence[int]] | None = None, seeds: Sequence[int] | None = None,
+                 engine_of: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
                  **kwargs) -> list:
         """Completions of every prompt, prompts split evenly over the engines; prompt_index refers to `prompts`.
-        Prompt i is seeded `prompt_seed(seed, i)`, or `seeds[i]` where given.
+        Prompt i is seeded `prompt_seed(seed, i)`, or `seeds[i]` where given. `engine_of`: prompt i goes to
+        engine engine_of[i] % engines instead (session affinity: every turn of an episode on the engine that
+        holds its prefix in cache). `max_tokens`: one cap per prompt.
 
         `route_stages` (engines capturing routes): each completion's `routes` is a `rlhf.moe.routing.RouteRef`
         to blocks each engine left in the object store, one per trainer stage (its MoE layers), owned here
@@ -270,10 +273,15 @@ class Roles:
         from dataclasses import replace
 
         k = len(self.engines)
-        chunks = [list(range(i, len(prompts), k)) for i in range(k)]
+        if engine_of is None:
+            chunks = [list(range(i, len(prompts), k)) for i in range(k)]
+        else:
+            chunks = [[i for i, e in enumerate(engine_of) if e % k == j] for j in range(k)]
 
         def call(e: int) -> tuple:  # seeds by the prompt's place in the whole call: not by the engine count
             kw = dict(n=n, seed=[seeds[i] if seeds else prompt_seed(seed, i) for i in chunks[e]], **kwargs)
+            if max_tokens is not None:
+                kw["max_tokens"] = [max_tokens[i] for i in chunks[e]]
             if route_stages is None:
                 return calls_made[e], "generate", ([prompts[i] for i in chunks[e]],), kw | dict(keep_routes=False)
             return (calls_made[e], "generate_routed", ([prompts[i] for i in chunks[e]], route_stages),

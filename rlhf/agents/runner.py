@@ -7,8 +7,9 @@ its own and within `limits.step_timeout_s` of the round's start (a hung step's t
 never holds up the process's exit); an episode ends at its environment's `done`, at max_turns, when its context is
 full (max_tokens), or with a counted failure (timeout, env_error). Nothing is dropped without a status.
 
-`generate(contexts, max_tokens, stop, seeds)` returns one completion per context with `token_ids`, `logp`,
-`weight_version` and optionally `token_versions`: an engine's `generate` (`actors.vllm.engine`) fits.
+`generate(contexts, max_tokens, stop, seeds, episodes)` returns one completion per context with `token_ids`,
+`logp`, `weight_version`, `finish_reason` and optionally `token_versions`; `episodes` are the contexts' episode
+indices (a run sends each episode's turns to one engine: `actors.roles.Roles.generate`'s `engine_of`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 from rlhf.agents.environment import check_observation
 from rlhf.agents.episode import Episode, Limits, Status, TokenMismatch
 
-Generate = Callable[[list[list[int]], list[int], Sequence[str], list[int]], list]
+Generate = Callable[[list[list[int]], list[int], Sequence[str], list[int], list[int]], list]
 
 
 def turn_seed(seed: int, episode: int, turn: int) -> int:
@@ -54,7 +55,7 @@ def run_episodes(generate: Generate, make_env: Callable[[], Any], rows: Sequence
             break
         contexts = [ep.context() for ep in live]
         outs = generate(contexts, [ep.room() for ep in live], stop,
-                        [turn_seed(seed, ep.index, ep.turns) for ep in live])
+                        [turn_seed(seed, ep.index, ep.turns) for ep in live], [ep.index for ep in live])
         if len(outs) != len(live):
             raise RuntimeError(f"generate returned {len(outs)} completions for {len(live)} contexts")
         texts = {}

@@ -170,6 +170,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must split evenly over trainer.dp={t.dp} data-parallel ranks"))
     p += dapo_problems(a)
+    p += agent_problems(cfg)
     if not 0 <= a.clip_eps_low < 1 or a.clip_eps_high < 0:
         p.append(Problem("algorithm.clip_eps_low", a.clip_eps_low, "clip epsilons must satisfy 0 <= low < 1, high >= 0"))
     if a.kl_coef < 0:
@@ -389,3 +390,43 @@ def validate_run(cfg: RunConfig) -> None:
     # Where ranks sit depends on the layouts: check the whole placement once they are valid, the file alone before.
     p += cluster_problems(cfg.placement) if p else placement_problems(cfg)
     raise_problems(p, "run config")
+
+
+def agent_problems(cfg: RunConfig) -> list[Problem]:
+    """Multi-turn episodes (`agent.*`): limits that leave room for a turn, the environment importable and made
+    once with its arguments (`rlhf.agents.environment.load_environment`), and the features episodes do not
+    take yet refused by name."""
+    g = cfg.agent
+    if not g.enabled:
+        return []
+    from rlhf.agents.environment import load_environment
+
+    p: list[Problem] = []
+    for name in ("max_turns", "turn_tokens"):
+        if getattr(g, name) < 1:
+            p.append(Problem(f"agent.{name}", getattr(g, name), "must be >= 1"))
+    if g.max_tokens <= cfg.data.max_prompt_tokens:
+        p.append(Problem("agent.max_tokens", g.max_tokens, f"is an episode's whole context: give more than "
+                         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}, with room for its turns"))
+    if g.max_tokens > cfg.model.max_position_embeddings:
+        p.append(Problem("agent.max_tokens", g.max_tokens, f"exceeds the model's context, "
+                         f"model.max_position_embeddings={cfg.model.max_position_embeddings}: lower it"))
+    if g.step_timeout_s <= 0:
+        p.append(Problem("agent.step_timeout_s", g.step_timeout_s, "must be > 0 seconds"))
+    try:
+        load_environment(g.environment, g.environment_args)
+    except ConfigError as e:
+        p.append(Problem("agent.environment", g.environment, str(e).split(": ", 1)[-1]))
+    for key, value, on, why in (
+            ("stale_sync.max_staleness", cfg.stale_sync.max_staleness, cfg.stale_sync.max_staleness > 0,
+             "episodes run with the synchronous loop for now; set it to 0"),
+            ("rollout.capture_routes", cfg.rollout.capture_routes, cfg.rollout.capture_routes,
+             "episodes keep no routes yet; set it to false"),
+            ("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling, cfg.algorithm.dynamic_sampling,
+             "episodes are drawn once a step; set it to false"),
+            ("trainer.routing_replay", cfg.trainer.routing_replay.value,
+             cfg.trainer.routing_replay is RoutingReplay.rollout, "episodes keep no engine routes yet; use off or old")):
+        if on:
+            p.append(Problem(key, value, f"is not supported with agent.environment: {why}"))
+    return p
+

@@ -40,6 +40,7 @@ def step_metrics(ro: Rollout, batch: TokenBatch, entropy_BT: torch.Tensor, parit
         "time/update": max(u.seconds for u in updates),
         # the code verifier: the share of the step's scored samples per status (passed, failed, error, timeout)
         **{f"reward/code_{k}": v / sum(ro.verdicts.values()) for k, v in sorted(ro.verdicts.items())},
+        **ro.agent,  # multi-turn episodes: agent/* (rlhf.driver.episodes)
         "sync/bytes_minimal": plan.bytes_minimal, "sync/bytes_network": plan.bytes_network,
         "sync/bytes_local": plan.bytes_local,
         "sync/bytes_received": sum(r.bytes_received for r in receives),

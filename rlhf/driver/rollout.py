@@ -36,6 +36,7 @@ class Rollout:
     # made (`TokenBatch.response_rows`); None: the step computes them
     ref_logp: list | None = None
     verdicts: dict = field(default_factory=dict)  # the code verifier: samples scored per status, all draws
+    agent: dict = field(default_factory=dict)  # multi-turn episodes: agent/* metrics (`rlhf.driver.episodes`)
 
 
 def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, turn=nullcontext) -> Rollout:
@@ -47,6 +48,10 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     as its engine finishes it, the groups are kept or filtered in prompt order as in a whole draw, and once
     the batch is full the draw's other groups are stopped where they are. The kept groups are those the
     whole draw keeps, so a seed gives the same batch either way."""
+    if cfg.agent.enabled:
+        from rlhf.driver.episodes import collect_episodes
+
+        return Rollout(**collect_episodes(cfg, roles, sampler, tok, step, turn))
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
     over = max(cfg.data.gen_prompts_per_step, P) / P  # draws generate this many prompts per group still missing
     stream = cfg.rollout.stream_groups and route_stages is None
@@ -165,6 +170,10 @@ def heldout_accuracy(cfg: RunConfig, roles, tok, rows) -> float:
     """Greedy accuracy of the engines' current weights on the held-out prompts, by the run's rule
     verifier (exact match when the run's reward is a model: accuracy needs the reference answers)."""
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
+    if cfg.agent.enabled:  # an episode's success: its environment's reward, greedy
+        from rlhf.driver.episodes import run_greedy_episodes
+
+        return run_greedy_episodes(cfg, roles, tok, rows, prompts)
     comps = roles.generate(prompts, n=1, seed=0, temperature=0.0, phase="evaluate")
     texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in comps]
     return sum(accuracy_scores(cfg.reward, texts, [rows[c.prompt_index].answer for c in comps])) / len(comps)

@@ -308,10 +308,13 @@ class Run:
     def token_batch(self, ro: Rollout) -> TokenBatch:
         G = self.cfg.algorithm.group_size
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
+        masks = None  # episodes: observation tokens are read, not trained on
+        if any(getattr(c, "loss_mask", ()) for c in ro.completions):
+            masks = [list(c.loss_mask) or [1] * len(c.token_ids) for c in ro.completions]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
                                        [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
-                                       self.cfg.rollout.temperature  # routes go apart (`route_shares`)
-                                       ).with_(attention_cost=attention_quadratic(self.cfg.model))
+                                       self.cfg.rollout.temperature,  # routes go apart (`route_shares`)
+                                       loss_masks=masks).with_(attention_cost=attention_quadratic(self.cfg.model))
 
     def mini_batches(self, n: int, step: int) -> list[list[int]]:
         """Sample indices of each mini-batch, shuffled per step (the same list goes to every rank)."""

@@ -48,7 +48,8 @@ def engine(tmp_path_factory):
     tok = build_tokenizer(64, ALPHABET)
     save_tokenizer(tok, d)
     save_pretrained(m, d)
-    e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0), max_model_len=128)
+    e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0), max_model_len=128,
+                   whole_prefills=True)
     yield e, tok
     e.close()
 
@@ -59,7 +60,7 @@ def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
     prompts = [tok.encode(r.prompt).ids for r in rows]
     calls = []
 
-    def generate(contexts, max_tokens, stop, seeds):
+    def generate(contexts, max_tokens, stop, seeds, episodes):
         calls.append([list(c) for c in contexts])
         return e.generate(contexts, n=1, max_tokens=max_tokens, stop=stop, seed=seeds)
 

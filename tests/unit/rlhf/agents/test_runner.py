@@ -31,11 +31,11 @@ class Scripted:
     def __init__(self, scripts):
         self.scripts, self.calls = scripts, []
 
-    def __call__(self, contexts, max_tokens, stop, seeds):
+    def __call__(self, contexts, max_tokens, stop, seeds, episodes):
         self.calls.append((contexts, max_tokens, tuple(stop)))
         outs = []
         for ctx, room in zip(contexts, max_tokens):
-            ep = ctx[1]  # each prompt names its episode in its second token
+            ep = ctx[1]  # each prompt names its row in its second token
             turn = sum(1 for c in self.calls for x in c[0] if x[1] == ep) - 1
             want = ids(self.scripts[int(TOK.id_to_token(ep))][turn])
             toks = want[:room]

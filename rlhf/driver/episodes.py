@@ -1,0 +1,88 @@
+"""A step's rollouts as multi-turn episodes (`agent.environment` set): G episodes per prompt, run turn by turn
+on the engines (`rlhf.agents.runner`), each group's turns on one engine (its prompt and turns stay in that
+engine's prefix cache), rewarded by their environments.
+
+The rule for episodes an environment broke (timeout, env_error) or whose tokens cannot be trusted
+(token_mismatch): counted (`agent/episodes_*`), their loss mask all zeros (nothing of theirs is trained), and
+their reward replaced by the mean of their group's trained episodes, so the group's baseline is that of the
+episodes that count.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from actors.vllm.engine import Completion
+from rlhf.agents.environment import load_environment
+from rlhf.agents.episode import Episode, Limits, Status
+from rlhf.agents.runner import run_episodes
+from rlhf.schema import RunConfig
+
+
+def limits_of(cfg: RunConfig) -> Limits:
+    g = cfg.agent
+    return Limits(max_turns=g.max_turns, max_tokens=g.max_tokens, turn_tokens=g.turn_tokens,
+                  step_timeout_s=g.step_timeout_s)
+
+
+def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullcontext) -> dict:
+    """The step's `rlhf.driver.rollout.Rollout`, as its fields."""
+    P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
+    rows = sampler.next(P)
+    prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
+    make_env = load_environment(cfg.agent.environment, cfg.agent.environment_args)
+    seed = cfg.seed * 100_003 + step * 101
+
+    def generate(contexts, max_tokens, stop, seeds, episodes):
+        return roles.generate(contexts, n=1, seed=seed, seeds=seeds, engine_of=[e // G for e in episodes],
+                              max_tokens=max_tokens, stop=list(stop))
+
+    with turn():
+        t0 = time.time()
+        eps, counts = run_episodes(generate, make_env, [r for r in rows for _ in range(G)],
+                                   [p for p in prompts for _ in range(G)], tok, limits_of(cfg), seed=seed)
+        seconds = time.time() - t0
+    rewards_PG = torch.tensor([e.reward for e in eps], dtype=torch.float32).view(P, G)
+    trained_PG = torch.tensor([e.trained for e in eps]).view(P, G)
+    scores_PG = rewards_PG.clone()
+    fill = torch.where(trained_PG, rewards_PG, 0).sum(1) / trained_PG.sum(1).clamp(min=1)
+    rewards_PG = torch.where(trained_PG, rewards_PG, fill[:, None])
+    sampled = sum(sum(e.mask) for e in eps)
+    return dict(rows=rows, prompt_ids=prompts, completions=[completion(e, e.index // G) for e in eps],
+                rewards_PG=rewards_PG, scores_PG=scores_PG, groups_drawn=P, generate_seconds=seconds,
+                reward_seconds=0.0, generated_tokens=sampled, agent=agent_metrics(eps, counts))
+
+
+def completion(e: Episode, prompt_index: int) -> Completion:
+    """The episode as the batch takes a sample: everything after the prompt, with its loss mask (all zeros where
+    it is not trained), behaviour logprobs and per-token weight versions (observations: -1)."""
+    sampled = [v for v, m in zip(e.versions, e.mask) if m]
+    mask = tuple(e.mask) if e.trained else (0,) * len(e.mask)
+    return Completion(prompt_index, tuple(e.ids), tuple(e.logp), e.status.value, min(sampled, default=-1),
+                      token_versions=tuple(e.versions), loss_mask=mask)
+
+
+def agent_metrics(eps: list[Episode], counts) -> dict[str, float]:
+    n = max(len(eps), 1)
+    m = {f"agent/episodes_{s.value}": counts.get(s.value, 0) / n for s in Status if s is not Status.running}
+    sampled = sum(sum(e.mask) for e in eps)
+    observed = sum(len(e.mask) - sum(e.mask) for e in eps)
+    return m | {"agent/turns_mean": sum(e.turns for e in eps) / n, "agent/token_mismatch": counts["token_mismatch"],
+                "agent/env_steps": counts["env_steps"], "agent/sampled_tokens": sampled,
+                "agent/observation_tokens": observed,
+                "agent/success": sum(e.reward > 0 for e in eps if e.trained) / n}
+
+
+def run_greedy_episodes(cfg: RunConfig, roles, tok, rows, prompts) -> float:
+    """Held-out success: one greedy episode per row, the share whose environment rewarded them (> 0)."""
+    make_env = load_environment(cfg.agent.environment, cfg.agent.environment_args)
+
+    def generate(contexts, max_tokens, stop, seeds, episodes):
+        return roles.generate(contexts, n=1, seed=0, seeds=seeds, engine_of=list(episodes), max_tokens=max_tokens,
+                              stop=list(stop), temperature=0.0, phase="evaluate")
+
+    eps, _ = run_episodes(generate, make_env, rows, prompts, tok, limits_of(cfg))
+    return sum(e.reward > 0 for e in eps) / max(len(eps), 1)
