@@ -346,7 +346,8 @@ def test_multi_turn_episodes_in_the_loop(tiny, ray_session, tmp_path):
     d, _ = tiny
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "agent.environment=rlhf.agents.retry:Retry",
-        "agent.max_turns=3", "agent.turn_tokens=8", "agent.max_tokens=96", "algorithm.dynamic_sampling=false", "data.gen_prompts_per_step=0"))
+        "agent.max_turns=3", "agent.turn_tokens=8", "agent.max_tokens=96", "algorithm.dynamic_sampling=false",
+        "data.gen_prompts_per_step=0"))
     result = train(cfg)
     assert result["steps_run"] == 2
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
