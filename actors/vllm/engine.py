@@ -48,6 +48,7 @@ class Completion:
     # a multi-turn episode (`rlhf.driver.episodes`): token_ids hold sampled and observation tokens, 1 here where
     # the policy sampled the token (trained on), 0 where the environment wrote it; empty: every token sampled
     loss_mask: tuple[int, ...] = ()
+    cached_tokens: int = 0  # of the prompt, served from vLLM's prefix cache (its num_cached_tokens; whole blocks)
 
 
 class VLLMEngine:
@@ -92,6 +93,8 @@ class VLLMEngine:
             enable_prefix_caching=False if capture_routes else None,
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
+        if cfg.block_size is not None:
+            kwargs["block_size"] = cfg.block_size
         if whole_prefills and device_type is DeviceType.cpu:
             # Multi-turn episodes: every turn is a long prompt, and a prompt split over scheduler steps (chunked
             # prefill) makes vLLM rewind a seeded request's generator by an offset cpu generators do not have
@@ -427,7 +430,8 @@ class VLLMEngine:
             routes = self._take_routes([req.request_id for req in outs], keep_routes)
             return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
                                self.weight_version, routes=routes_of(routes, req.request_id, c.index,
-                                                                     len(prompts[i]) + len(c.token_ids) - 1))
+                                                                     len(prompts[i]) + len(c.token_ids) - 1),
+                               cached_tokens=req.num_cached_tokens or 0)
                     for i, req in enumerate(outs) for c in req.outputs]
 
     def _params(self, count: int, n: int, temperature, top_p, max_tokens, seed, ignore_eos: bool,

@@ -58,6 +58,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)  # the weights that sampled each token (-1: observation)
     turn_starts: list[int] = field(default_factory=list)  # where each model turn begins in `ids`
     contexts: list[int] = field(default_factory=list)  # the context length each turn was sampled from
+    cached: list[int] = field(default_factory=list)  # of each turn's context, tokens the engine's prefix cache served
     status: Status = Status.running
     reward: float = 0.0
     error: str = ""
@@ -83,7 +84,7 @@ class Episode:
         return min(self.limits.turn_tokens, self.limits.max_tokens - len(self.prompt_ids) - len(self.ids))
 
     def sampled(self, sent: Sequence[int], token_ids: Sequence[int], logp: Sequence[float],
-                versions: int | Sequence[int]) -> None:
+                versions: int | Sequence[int], cached: int = 0) -> None:
         """A model turn: `token_ids` sampled (with their `logp`) from the context `sent`, which must be this
         episode's own context, token for token (TokenMismatch otherwise: the episode ends and is not trained)."""
         if not self.running:
@@ -99,6 +100,7 @@ class Episode:
         if isinstance(versions, int):
             versions = [versions] * len(token_ids)
         self.contexts.append(len(own))
+        self.cached.append(int(cached))
         self.turn_starts.append(len(self.ids))
         self.ids += list(token_ids)
         self.mask += [1] * len(token_ids)

@@ -62,7 +62,8 @@ def run_episodes(generate: Generate, make_env: Callable[[], Any], rows: Sequence
         for ep, sent, out in zip(live, contexts, outs):
             try:
                 ep.sampled(sent, out.token_ids, out.logp,
-                           list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version)
+                           list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version,
+                           getattr(out, "cached_tokens", 0))
             except TokenMismatch:
                 counts["token_mismatch"] += 1
                 continue

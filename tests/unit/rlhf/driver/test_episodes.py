@@ -33,7 +33,8 @@ class StandInRoles:
             answer = str(sum(int(x) for x in question.split("+")))
             ids = tuple(TOK.encode(answer if seeds[i] % 2 == 0 else answer + "9", add_special_tokens=False).ids)
             ids = (ids + (EOS,))[:max_tokens[i]]
-            out.append(Completion(i, ids, tuple([-0.1] * len(ids)), "stop", 3))
+            # a prefix cache of whole 4-token blocks: what an earlier turn of the episode computed
+            out.append(Completion(i, ids, tuple([-0.1] * len(ids)), "stop", 3, cached_tokens=len(p) // 4 * 4))
         return out
 
 
@@ -82,6 +83,9 @@ def test_episodes_make_a_rollout_that_trains_on_sampled_tokens_only():
     m = ro["agent"]
     assert m["agent/token_mismatch"] == 0 and abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_"))
                                                   - 1) < 1e-9
+    # turns after the first (their contexts hold feedback): the share of their context the cache served
+    later = [len(ctx) for call in roles.calls for ctx, _ in call if TOK.token_to_id("?") in ctx]
+    assert later and m["agent/prefix_cache_hit_rate"] == sum(n // 4 * 4 for n in later) / sum(later)
     assert m["agent/sampled_tokens"] == ro["generated_tokens"] == sum(sum(c.loss_mask) for c in ro["completions"])
     prompts = [ro["prompt_ids"][i // G] for i in range(P * G)]
     b = TokenBatch.from_samples(prompts, [c.token_ids for c in ro["completions"]],
