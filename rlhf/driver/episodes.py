@@ -72,7 +72,8 @@ def agent_metrics(eps: list[Episode], counts) -> dict[str, float]:
     observed = sum(len(e.mask) - sum(e.mask) for e in eps)
     later = [(c, x) for e in eps for c, x in zip(e.contexts[1:], e.cached[1:])]  # turns after the first
     hit = sum(x for _, x in later) / max(sum(c for c, _ in later), 1)
-    return m | {"agent/prefix_cache_hit_rate": hit, "agent/turns_mean": sum(e.turns for e in eps) / n, "agent/token_mismatch": counts["token_mismatch"],
+    return m | {"agent/prefix_cache_hit_rate": hit, "agent/turns_mean": sum(e.turns for e in eps) / n,
+                "agent/token_mismatch": counts["token_mismatch"],
                 "agent/env_steps": counts["env_steps"], "agent/sampled_tokens": sampled,
                 "agent/observation_tokens": observed,
                 "agent/success": sum(e.reward > 0 for e in eps if e.trained) / n}
