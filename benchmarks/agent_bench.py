@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ALPHABET = "0123456789+-*=?: <>/calcresultero()"
 
 
 class Tool:
@@ -42,6 +41,7 @@ class Tool:
 
 
 def build(model_dir: Path):
+    from rlhf.agents.calculator import ALPHABET
     from rlhf.config import load_model_config
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
     from rlhf.model.hf_io import save_pretrained

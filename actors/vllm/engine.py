@@ -51,6 +51,16 @@ class Completion:
     cached_tokens: int = 0  # of the prompt, served from vLLM's prefix cache (its num_cached_tokens; whole blocks)
 
 
+def _per_prompt(value, count: int, name: str, each) -> list:
+    """One value per prompt: `value` itself where it is a sequence of `count`, else `each(i)` for prompt i (a call's
+    int or None). A sequence of another length is refused, naming the argument."""
+    if value is None or isinstance(value, int):
+        return [each(i) for i in range(count)]
+    if len(value) != count:
+        raise ValueError(f"generate: {len(value)} {name} for {count} prompts; give one per prompt or one int")
+    return list(value)
+
+
 class VLLMEngine:
     _open = 0  # engines of this process not yet closed
 
@@ -439,19 +449,9 @@ class VLLMEngine:
         """One SamplingParams per prompt (`generate`'s arguments)."""
         from vllm import SamplingParams
 
-        if seed is None or isinstance(seed, int):
-            seeds = [None if seed is None else prompt_seed(seed, i) for i in range(count)]
-        elif len(seed) != count:
-            raise ValueError(f"generate: {len(seed)} seeds for {count} prompts; give one per prompt or one int")
-        else:
-            seeds = list(seed)
-        if max_tokens is None or isinstance(max_tokens, int):
-            caps = [self.cfg.max_new_tokens if max_tokens is None else max_tokens] * count
-        elif len(max_tokens) != count:
-            raise ValueError(f"generate: {len(max_tokens)} max_tokens for {count} prompts; give one per prompt "
-                             "or one int")
-        else:
-            caps = list(max_tokens)
+        seeds = _per_prompt(seed, count, "seeds", lambda i: None if seed is None else prompt_seed(seed, i))
+        caps = _per_prompt(max_tokens, count, "max_tokens",
+                           lambda i: self.cfg.max_new_tokens if max_tokens is None else max_tokens)
         return [SamplingParams(
             n=n,
             temperature=self.cfg.temperature if temperature is None else temperature,

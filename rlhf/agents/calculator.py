@@ -16,6 +16,10 @@ from rlhf.agents.environment import Observation
 from rlhf.data.arithmetic import is_correct
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+# The characters a calculator episode is written in with the default tags: the tiny task's alphabet, the tags'
+# letters and parentheses. A character tokenizer over it (`rlhf.data.tokenizer.build_tokenizer(64, ALPHABET)`)
+# encodes every call and result.
+ALPHABET = "0123456789+-*=?: <>/calcresultero()"
 
 
 def evaluate(expr: str, max_chars: int = 64, max_digits: int = 40) -> int | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -58,6 +59,11 @@ def check_observation(obs: Any, env: Any) -> Observation:
         raise ValueError(f"environment {name}.step returned token_ids that are not all non-negative ints")
     if obs.text is not None and obs.token_ids is not None:
         raise ValueError(f"environment {name}.step returned both text and token_ids: give one")
+    if not isinstance(obs.done, bool):
+        raise ValueError(f"environment {name}.step returned done={obs.done!r}: give True or False")
+    if obs.reward is not None and (isinstance(obs.reward, bool) or not isinstance(obs.reward, (int, float))
+                                   or not math.isfinite(obs.reward)):
+        raise ValueError(f"environment {name}.step returned reward={obs.reward!r}: give a finite number or None")
     if not obs.done and obs.text is None and obs.token_ids is None:
         raise ValueError(f"environment {name}.step returned an observation with neither text nor token_ids and "
                          "done=False: the model would have nothing new to read")
@@ -67,30 +73,31 @@ def check_observation(obs: Any, env: Any) -> Observation:
 def load_environment(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:
     """A factory of fresh environments from `module:Class` and keyword arguments: importable, a class with
     `reset` and `step` and a `stop` sequence, and made once here so that bad arguments fail now (before any
-    actor starts), with what to change."""
+    actor starts), with what to change. The messages name what to change in the spec and its arguments; the run's
+    validation reports them under `agent.environment`."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"agent.environment={spec!r}: give 'module:Class', e.g. 'rlhf.agents.calculator:Calculator'")
+        raise ConfigError(f"give 'module:Class', e.g. 'rlhf.agents.calculator:Calculator', not {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ConfigError(f"agent.environment={spec!r}: module {module_name!r} does not import "
+        raise ConfigError(f"module {module_name!r} does not import "
                           f"({type(e).__name__}: {e}); is it installed or on PYTHONPATH?") from e
     cls = getattr(module, attr, None)
     if cls is None or not inspect.isclass(cls):
-        raise ConfigError(f"agent.environment={spec!r}: {module_name} has no class {attr!r}")
+        raise ConfigError(f"{module_name} has no class {attr!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ConfigError(f"agent.environment={spec!r}: {attr} has no {' or '.join(missing)} method "
+        raise ConfigError(f"{attr} has no {' or '.join(missing)} method "
                           "(an environment implements reset(row) and step(text) -> Observation)")
     kwargs = dict(kwargs or {})
     try:
         probe = cls(**kwargs)
     except Exception as e:
-        raise ConfigError(f"agent.environment={spec!r} with arguments {kwargs}: making one failed "
+        raise ConfigError(f"making one with arguments {kwargs} failed "
                           f"({type(e).__name__}: {e}); fix agent.environment_args") from e
     stop = getattr(probe, "stop", ())
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-        raise ConfigError(f"agent.environment={spec!r}: its stop must be a sequence of non-empty strings "
+        raise ConfigError(f"its stop must be a sequence of non-empty strings "
                           f"(a tool call's end), not {stop!r}")
     return lambda: cls(**kwargs)

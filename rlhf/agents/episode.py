@@ -132,7 +132,7 @@ class Episode:
             raise TokenMismatch(f"episode {self.index}: {n} tokens but {len(self.mask)} mask, {len(self.logp)} "
                                 f"logprob and {len(self.versions)} version entries")
         for k, (start, ctx) in enumerate(zip(self.turn_starts, self.contexts)):
-            if ctx != len(self.prompt_ids) + start or not self.mask[start:start + 1] == [1]:
+            if ctx != len(self.prompt_ids) + start or self.mask[start:start + 1] != [1]:
                 raise TokenMismatch(f"episode {self.index}: turn {k} was sampled from {ctx} tokens of context, "
                                     f"but starts at {len(self.prompt_ids) + start}")
 

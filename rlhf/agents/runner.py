@@ -102,12 +102,13 @@ def _answer(ep: Episode, step: _Step, env, tok, deadline: float, timeout_s: floa
     if step.is_alive():
         ep.end(Status.timeout, error=f"step ran past agent.step_timeout_s={timeout_s}")
         return
+    if step.error is not None:
+        ep.end(Status.env_error, error=f"step: {type(step.error).__name__}: {step.error}")
+        return
     try:
-        if step.error is not None:
-            raise step.error
         obs = check_observation(step.out, env)
-    except Exception as e:
-        ep.end(Status.env_error, error=f"step: {type(e).__name__}: {e}")
+    except ValueError as e:
+        ep.end(Status.env_error, error=str(e))
         return
     if obs.done:
         ep.end(Status.done, obs.reward)

@@ -420,7 +420,7 @@ def agent_problems(cfg: RunConfig) -> list[Problem]:
     try:
         load_environment(g.environment, g.environment_args)
     except ConfigError as e:
-        p.append(Problem("agent.environment", g.environment, str(e).split(": ", 1)[-1]))
+        p.append(Problem("agent.environment", g.environment, str(e)))
     for key, value, on, why in (
             ("stale_sync.max_staleness", cfg.stale_sync.max_staleness, cfg.stale_sync.max_staleness > 0,
              "episodes run with the synchronous loop for now; set it to 0"),

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from rlhf.agents.calculator import ALPHABET
 from rlhf.agents.environment import Observation
 from rlhf.agents.episode import Limits, Status
 from rlhf.agents.runner import run_episodes
@@ -19,7 +20,6 @@ from rlhf.schema import RolloutConfig
 
 pytestmark = pytest.mark.vllm
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-ALPHABET = "0123456789+-*=?: <>/calcresultero()"
 
 
 class Tool:

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from rlhf.agents.calculator import Calculator, evaluate
+from rlhf.agents.calculator import ALPHABET, Calculator, evaluate
 from rlhf.agents.environment import Observation, load_environment
 from rlhf.agents.episode import Limits, Status
 from rlhf.agents.runner import run_episodes
@@ -15,7 +15,6 @@ from rlhf.data.prompts import PromptRow
 from rlhf.data.tokenizer import EOS, build_tokenizer
 from rlhf.errors import ConfigError
 
-ALPHABET = "0123456789+-*=?: <>/calcresultero()"
 TOK = build_tokenizer(64, ALPHABET)
 EOS_ID = TOK.token_to_id(EOS)
 
@@ -146,3 +145,18 @@ def test_environments_are_loaded_by_name_and_refused_with_what_to_change():
                             ("rlhf.agents.calculator:Calculator", {"colour": 1}, "fix agent.environment_args")]:
         with pytest.raises(ConfigError, match=msg):
             load_environment(spec, args)
+
+
+def test_an_observation_with_a_reward_or_done_that_is_not_one_ends_as_env_error_saying_what_to_give():
+    class Odd(Flaky):
+        def step(self, text):
+            if self.mode == "exit":
+                raise SystemExit(3)  # ends its episode, not the run
+            return Observation(done=True, reward="yes") if self.mode == "word" else Observation(done=1)
+
+    rows = _rows(["word", "one", "exit"])
+    eps, counts = run_episodes(Scripted({i: ["1"] for i in range(3)}), Odd, rows,
+                               [TOK.encode(r.prompt).ids for r in rows], TOK, Limits())
+    assert [e.status for e in eps] == [Status.env_error] * 3 and counts["env_error"] == 3
+    assert "reward='yes': give a finite number or None" in eps[0].error
+    assert "done=1: give True or False" in eps[1].error and "SystemExit" in eps[2].error
