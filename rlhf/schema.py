@@ -186,8 +186,8 @@ class RolloutConfig:
     cpu_kv_cache_gib: float = 1.0  # sequences (vLLM queues what does not fit); at least one max-length sequence
     gpu_memory_utilization: float = 0.5
     # Tokens per KV-cache block (None: vLLM's, 128 on cpu; a multiple of 32 there). The prefix cache serves whole
-    # blocks only: multi-turn
-    # episodes of short turns reuse more of their earlier turns with smaller blocks (docs/agents.md).
+    # blocks only: multi-turn episodes of short turns reuse more of their earlier turns with smaller blocks
+    # (docs/agents.md).
     block_size: Optional[int] = None
     # How engines sleep while the trainer updates (vLLM's levels; docs/rollout.md): 1 drops the KV cache, keeps the
     # weights (offloaded to the host on cuda / npu); 2 drops both, the sync writing them all; 0 stays awake.

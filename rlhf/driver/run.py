@@ -309,7 +309,7 @@ class Run:
         G = self.cfg.algorithm.group_size
         prompts = [ro.prompt_ids[i // G] for i in range(len(ro.completions))]
         masks = None  # episodes: observation tokens are read, not trained on
-        if any(getattr(c, "loss_mask", ()) for c in ro.completions):
+        if any(c.loss_mask for c in ro.completions):
             masks = [list(c.loss_mask) or [1] * len(c.token_ids) for c in ro.completions]
         return TokenBatch.from_samples(prompts, [c.token_ids for c in ro.completions],
                                        [c.logp for c in ro.completions], self.cfg.model.pad_token_id,
