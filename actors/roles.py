@@ -5,6 +5,7 @@ calls the driver makes on each (every call deadline-bound; a failure names role 
   reference   `PolicyWorker` x the same layout, its own group (only when the KL term needs it)
   rollout     `VLLMEngine` x num_engines
   reward      `RuleRewardWorker` (rule verifiers) or `RewardModelWorker` (kind: model) x reward.workers
+  environment `EnvironmentWorker` x agent.workers (agent runs, which have no reward workers)
   weight sync trainer ranks + engine hosts in one point-to-point group (`weight_sync.group`)
 
 Each device is a bundle of a per-node STRICT_PACK placement group; a role rank asks for its device's
@@ -36,6 +37,9 @@ class Roles:
     rewards: list[RoleHandle]
     placement_groups: list
     timeout_s: float
+    environments: list[RoleHandle] = field(default_factory=list)  # agent runs' environment workers
+    start_environment: Optional[Callable[[int], RoleHandle]] = None  # worker i on its placement slot
+    environment_timeout_s: float = 10.0  # agent.step_timeout_s
     # set by `start` (a Roles built by hand has no engines to replace)
     start_engine: Optional[Callable[..., RoleHandle]] = None  # engine k on its placement slot
     sync_layout: Any = None
@@ -63,6 +67,7 @@ class Roles:
         import ray
         from ray.util.placement_group import placement_group
 
+        from actors.environment import EnvironmentWorker
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm.engine import VLLMEngine
@@ -113,23 +118,37 @@ class Roles:
             log(f"roles: this run's last driver ended before it closed its engines; the new engines remove what "
                 f"is left of the shared memory it recorded for them ({', '.join(left)})")
         engines = [start_engine(k, stale_shm=left) for k in range(cfg.rollout.num_engines)]
-        if cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
+        rewards: list[RoleHandle] = []
+        if "reward" not in dm.role_names:
+            pass
+        elif cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
             rm_dir = str(Path(cfg.reward.model_path).resolve())
             rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
         else:
             rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, cfg.reward.sandbox, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
+
+        def start_environment(i: int) -> RoleHandle:
+            return spawn(EnvironmentWorker, "environment", i, cfg.agent.environment, dict(cfg.agent.environment_args),
+                         cfg.agent.step_timeout_s, **slot("environment", i))
+
+        environments = [start_environment(i) for i in range(cfg.agent.workers)] \
+            if "environment" in dm.role_names else []
         roles = Roles(trainer, reference, engines, rewards, pgs, cfg.trainer.collective_timeout_s + 60,
+                      environments=environments, start_environment=start_environment,
                       recover=recover, inject=inject or (lambda phase: None))
         roles.start_engine, roles.start_policy, roles.sync_layout = start_engine, start_policy, sync_layout
+        roles.environment_timeout_s = cfg.agent.step_timeout_s
         roles.sync_backend = backend_for(dt.value, cfg.trainer.backend.value)
         roles.sync_timeout_s = cfg.trainer.collective_timeout_s
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
-            f"{len(rewards)} reward worker(s) starting")
+            + (f"{len(environments)} environment worker(s)" if environments else f"{len(rewards)} reward worker(s)")
+            + " starting")
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
+        call_all([(h, "pid", (), {}) for h in environments], START_TIMEOUT_S)  # environment workers up
         roles.shm_record = shm_record
         roles.record_shm()
         roles.hang_timeout_s = cfg.rollout.hang_timeout_s
@@ -137,6 +156,19 @@ class Roles:
         log(f"roles: every group joined (trainer, reference, weight sync: {W} trainer ranks and "
             f"{sync_layout.engines.world_size} engine ranks)")
         return roles
+
+    def environment_pool(self, stop, log=print):
+        """The environment workers as the episode runner's `Environments` (a dead or hung worker is replaced on
+        its slot and its episodes begun again: `actors.environment.EnvironmentPool`)."""
+        from actors.environment import EnvironmentPool
+
+        return EnvironmentPool(self.environments, self._restart_environment, stop, self.environment_timeout_s, log,
+                               self.inject)
+
+    def _restart_environment(self, i: int) -> RoleHandle:
+        h = self.start_environment(i)
+        h.call("pid", timeout_s=START_TIMEOUT_S)
+        return h
 
     def init_policy(self) -> None:
         """Trainer and reference ranks form their process groups and load their shards."""
@@ -383,7 +415,7 @@ class Roles:
                 pass
         if self.shm_record is not None and closed == len(self.engines):  # each removed its own shared memory
             self.shm_record.unlink(missing_ok=True)
-        for h in self.trainer + self.reference + self.engines + self.rewards:
+        for h in self.trainer + self.reference + self.engines + self.rewards + self.environments:
             try:
                 h.kill()
             except Exception:

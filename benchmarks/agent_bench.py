@@ -10,8 +10,9 @@ The model is the tiny Qwen3-MoE with random weights (our code, written once unde
 turn runs to --turn-tokens (`ignore_eos`), and the environment answers each with the same 8-token
 observation. Two rounds, episodes and single turns alternating; the last line is one JSON object: per round
 the episodes' seconds, sampled tokens/s and episodes/s, the single turns' tokens/s, their ratio, the prefix
-cache's share of later turns' contexts, and each turn round's seconds (p50, p99: a round is one generate call
-for every running episode, then their environment steps).
+cache's share of later turns' contexts, each turn round's seconds (p50, p99: a round is one generate call
+for every running episode, then their environment steps), and the seconds from an observation's arrival (its
+environment step returned) to the first token of the turn that reads it (p50, p99; vLLM's per-request timings).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = build(model_dir)
     engine = VLLMEngine(str(model_dir), RolloutConfig(cpu_kv_cache_gib=0.25, block_size=args.block_size,
                                                       engine_core_in_process=True), max_model_len=128,
-                        whole_prefills=True)
+                        whole_prefills=True, log_stats=True)
     rows = [PromptRow(f"{i % 90 + 10}+{i % 7}=", "0", f"bench:{i}") for i in range(args.episodes)]
     prompts = [tok.encode(r.prompt).ids for r in rows]
     limits = Limits(max_turns=args.turns, max_tokens=128, turn_tokens=args.turn_tokens, step_timeout_s=60)
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             ep_s = time.perf_counter() - t0
             sampled = sum(sum(e.mask) for e in eps)
             later = [(c, x) for e in eps for c, x in zip(e.contexts[1:], e.cached[1:])]
+            waits = sorted(w for e in eps for w in e.observation_latencies())
             t0 = time.perf_counter()
             single = engine.generate(prompts, n=1, max_tokens=args.turns * args.turn_tokens, seed=r, ignore_eos=True)
             one_s = time.perf_counter() - t0
@@ -119,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                 "episodes_over_single_turn": round((sampled / ep_s) / (single_tokens / one_s), 3),
                 "prefix_cache_hit_rate": round(sum(x for _, x in later) / max(sum(c for c, _ in later), 1), 3),
                 "turn_round_seconds_p50": round(statistics.median(rounds), 3),
-                "turn_round_seconds_p99": round(sorted(rounds)[min(len(rounds) - 1, int(0.99 * len(rounds)))], 3)})
+                "turn_round_seconds_p99": round(sorted(rounds)[min(len(rounds) - 1, int(0.99 * len(rounds)))], 3),
+                "observations_timed": len(waits),
+                "observation_to_token_s_p50": round(statistics.median(waits), 4) if waits else None,
+                "observation_to_token_s_p99": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 4)
+                if waits else None})
     finally:
         engine.close()
     print(json.dumps(out))

@@ -42,9 +42,9 @@ def prepare(cfg) -> None:
     if (model_dir / "config.json").is_file():
         return
     if cfg.model.name in ("qwen3_moe_tiny", "pangu_moe_tiny"):
-        from rlhf.schema import RewardKind
+        from rlhf.tiny import make_tiny_args
 
-        task = ["--task", "code"] if cfg.reward.kind is RewardKind.code else []  # configs/tiny_cpu_code.yaml
+        task = make_tiny_args(cfg).replace(f"--model {cfg.model.name}", "").split()  # --task code, --task tool
         subprocess.run([sys.executable, "-m", "rlhf.cli", "make-tiny", str(model_dir), "--model", cfg.model.name, *task],
                        check=True)
     else:

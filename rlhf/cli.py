@@ -166,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="AdamW learning rate of the warm start (default: 3e-3 for Qwen3-MoE, 1e-3 for pangu_moe)")
     p.add_argument("--init-std", type=float, default=None,
                    help="standard deviation of the random start (default: 0.02, 0.1 for MLA attention as pangu_moe has)")
-    p.add_argument("--task", choices=("add", "code"), default="add",
+    p.add_argument("--task", choices=("add", "code", "tool"), default="add",
                    help="add: answer with the sum; code: with a program printing it, scored by reward.kind=code "
-                        "(docs/code_reward.md)")
+                        "(docs/code_reward.md); tool: call the calculator for sums of up to 5 digits and copy its "
+                        "result (docs/agents.md)")
     p.set_defaults(func=_make_tiny)
 
     for name, func, text in (("check", _check, "validate a run config and print it resolved"),

@@ -362,6 +362,7 @@ class PlacementConfig:
     reference: RolePlacement = field(default_factory=RolePlacement)
     rollout: RolePlacement = field(default_factory=RolePlacement)
     reward: RolePlacement = field(default_factory=RolePlacement)
+    environment: RolePlacement = field(default_factory=RolePlacement)  # agent runs' environment workers
 
 
 class RewardKind(Enum):
@@ -424,6 +425,7 @@ class AgentConfig:
     max_tokens: int = 256  # an episode's whole context: prompt, sampled and observation tokens
     turn_tokens: int = 64  # new tokens per model turn at most (rollout.max_new_tokens is for single turns)
     step_timeout_s: float = 10.0  # one environment step; past it the episode ends as `timeout`
+    workers: int = 1  # environment workers (Ray actors, placed as placement.environment says); episode k on k % workers
 
     @property
     def enabled(self) -> bool:
@@ -490,6 +492,9 @@ class ChaosConfig:
     # engine is found hung by its liveness probes (rollout.liveness_probe_s; without them after
     # rollout.hang_timeout_s, or the sync call's deadline) and replaced.
     stop_engines: tuple[str, ...] = ()
+    # Environment workers the driver kills (agent runs): "WORKER@STEP" or "WORKER@STEP:PHASE", PHASE step (default:
+    # as a round of environment steps goes out) or reset. Replaced, and their episodes begun again.
+    kill_environment_workers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ GRPO. Everything is deterministic for a seed on a given machine.
 `print(405)`; each row's answer is its stdin/stdout test (`{"inputs": [""], "outputs": ["405"]}`) and
 held-out accuracy runs the programs in the code verifier's sandbox (`reward.kind: code`,
 docs/code_reward.md). The tokenizer's alphabet gains the characters of `print()`.
+
+`task="tool"` (`rlhf make-tiny DIR --task tool`): sums of up to 5-digit numbers, too long for the tiny policy to
+add in its head, answered with the calculator tool (`rlhf.agents.calculator`, docs/agents.md): the warm start
+shows the episode `12345+678=<calc>12345+678</calc><result>13023</result>13023` (the result is the environment's,
+out of the loss) and, for `direct_share` of the problems, the sum written at once; held-out accuracy is the share
+of greedy episodes the calculator rewards. The tags are whole tokens of the tokenizer.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf.agents.episode import Limits
 from rlhf.schema import Architecture, Attention, ModelConfig
 from rlhf.data.arithmetic import Problem, is_correct, make_problems, write_jsonl
 from rlhf.data.tokenizer import ALPHABET, build_tokenizer, save_tokenizer
@@ -51,11 +58,15 @@ class TinySpec:
     batch_size: int = 64
     lr: float = 3e-3
     init_std: float = 0.02
-    task: str = "add"  # add: the sum's digits; code: a program printing it, scored in the sandbox
+    task: str = "add"  # add: the sum's digits; code: a program printing it, scored in the sandbox; tool: a call
+    direct_share: float = 0.3  # tool task: the share of warm-start problems answered without the calculator
 
 
-TASKS = ("add", "code")
+TASKS = ("add", "code", "tool")
 CODE_ALPHABET = ALPHABET + "print()"
+TOOL_WORDS = ("<calc>", "</calc>", "<result>", "</result>")  # rlhf.agents.calculator.Calculator's default tags
+TOOL_MAX_DIGITS = 5
+TOOL_LIMITS = Limits(max_turns=3, max_tokens=64, turn_tokens=16)  # configs/tiny_cpu_tool.yaml's agent limits
 
 
 def as_code(problems: Sequence[Problem]) -> list[Problem]:
@@ -63,9 +74,15 @@ def as_code(problems: Sequence[Problem]) -> list[Problem]:
     return [Problem(p.prompt, json.dumps({"inputs": [""], "outputs": [p.answer]})) for p in problems]
 
 
-def sft_target(p: Problem, task: str) -> str:
-    """What the warm start teaches the policy to write for a problem (the add task's answer)."""
-    return f"print({p.answer})" if task == "code" else p.answer
+def sft_target(p: Problem, task: str, direct: bool = False) -> list[tuple[str, bool]]:
+    """What the warm start teaches for a problem, as pieces of text after the prompt and whether the policy
+    writes each (the calculator's result it reads, and learns nothing from)."""
+    if task == "code":
+        return [(f"print({p.answer})", True)]
+    if task == "tool" and not direct:
+        return [(f"<calc>{p.prompt.rstrip('=')}</calc>", True), (f"<result>{p.answer}</result>", False),
+                (p.answer, True)]
+    return [(p.answer, True)]
 
 
 def make_tiny_args(cfg) -> str:
@@ -74,7 +91,10 @@ def make_tiny_args(cfg) -> str:
     from rlhf.schema import RewardKind
 
     args = [f"--model {cfg.model.name}"] if cfg.model.name == "pangu_moe_tiny" else []
-    return " ".join(args + (["--task code"] if cfg.reward.kind is RewardKind.code else []))
+    if cfg.agent.environment == "rlhf.agents.calculator:Calculator":
+        return " ".join(args + ["--task tool"])
+    code = cfg.reward.kind is RewardKind.code or cfg.agent.environment == "rlhf.agents.code:CodeFeedback"
+    return " ".join(args + (["--task code"] if code else []))
 
 
 def sft_lr(model_cfg: ModelConfig) -> float:
@@ -103,6 +123,8 @@ def sft_max_steps(model_cfg: ModelConfig) -> int:
 
 def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], max_new_tokens: int,
                      task: str = "add") -> float:
+    if task == "tool":
+        return tool_success(model, tok, problems)
     prompts = [tok.encode(p.prompt).ids for p in problems]
     texts = [tok.decode(o) for o in greedy_generate(model, prompts, max_new_tokens)]
     if task == "code":  # the programs run as the run's reward workers run them
@@ -114,22 +136,53 @@ def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem
     return sum(is_correct(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 
-def _sft_batch(tok, problems: Sequence[Problem], eos: int, pad: int, task: str = "add"):
-    """Token ids [B, T], attention mask, and a loss mask that covers the answer and its EOS."""
-    seqs, n_prompt = [], []
-    for p in problems:
-        prompt_ids = tok.encode(p.prompt).ids
-        answer_ids = tok.encode(sft_target(p, task), add_special_tokens=False).ids + [eos]
-        seqs.append(prompt_ids + answer_ids)
-        n_prompt.append(len(prompt_ids))
+def tool_success(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], limits: Limits = TOOL_LIMITS) -> float:
+    """The share of greedy episodes with the calculator (`rlhf.agents.runner`, our model in place of the engines)
+    that end rewarded."""
+    from types import SimpleNamespace
+
+    from rlhf.agents.calculator import Calculator
+    from rlhf.agents.runner import run_episodes
+
+    eos = model.config.eos_token_id
+
+    def generate(contexts, max_tokens, stop, seeds, episodes):
+        stop_ids, longest = {tok.token_to_id(s) for s in stop}, max(max_tokens)
+        outs = []
+        for row, cap in zip(greedy_generate(model, contexts, longest, stop_ids=stop_ids), max_tokens):
+            at_stop = bool(row) and row[-1] in stop_ids
+            if not at_stop and len(row) < longest:
+                row = row + [eos]  # greedy_generate ended it at EOS, which it does not return
+            finished = (at_stop or row[-1:] == [eos]) and len(row) <= cap
+            row = row[:cap]
+            outs.append(SimpleNamespace(token_ids=row, logp=[0.0] * len(row), weight_version=0,
+                                        finish_reason="stop" if finished else "length"))
+        return outs
+
+    eps, _ = run_episodes(generate, Calculator, problems, [tok.encode(p.prompt).ids for p in problems], tok, limits)
+    return sum(e.reward > 0 for e in eps) / max(len(eps), 1)
+
+
+def _sft_batch(tok, problems: Sequence[Problem], eos: int, pad: int, task: str = "add",
+               direct: Sequence[bool] = ()):
+    """Token ids [B, T], attention mask, and a loss mask that covers what the policy writes and its EOS."""
+    seqs, masks = [], []
+    for i, p in enumerate(problems):
+        seq = tok.encode(p.prompt).ids
+        mask = [False] * len(seq)
+        for text, written in sft_target(p, task, bool(direct and direct[i])):
+            piece = tok.encode(text, add_special_tokens=False).ids
+            seq, mask = seq + piece, mask + [written] * len(piece)
+        seqs.append(seq + [eos])
+        masks.append(mask + [True])
     T = max(map(len, seqs))
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
-    for i, (s, n) in enumerate(zip(seqs, n_prompt)):
+    for i, (s, m) in enumerate(zip(seqs, masks)):
         ids[i, :len(s)] = torch.tensor(s)
         attn[i, :len(s)] = 1
-        loss_mask[i, n:len(s)] = True
+        loss_mask[i, :len(s)] = torch.tensor(m)
     return ids, attn, loss_mask
 
 
@@ -139,11 +192,12 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
     t0 = time.time()
     out = Path(out_dir)
     torch.manual_seed(spec.seed)
-    tok = build_tokenizer(model_cfg.vocab_size, CODE_ALPHABET if spec.task == "code" else ALPHABET)
-    heldout = make_problems(spec.n_heldout, seed=spec.seed * 3 + 1, max_digits=spec.max_digits)
-    train = make_problems(spec.n_train, seed=spec.seed * 3 + 2, max_digits=spec.max_digits,
-                          exclude={p.prompt for p in heldout})
-    sft = make_problems(spec.n_sft, seed=spec.seed * 3 + 3, max_digits=spec.max_digits,
+    tok = build_tokenizer(model_cfg.vocab_size, CODE_ALPHABET if spec.task == "code" else ALPHABET,
+                          TOOL_WORDS if spec.task == "tool" else ())
+    digits = TOOL_MAX_DIGITS if spec.task == "tool" else spec.max_digits
+    heldout = make_problems(spec.n_heldout, seed=spec.seed * 3 + 1, max_digits=digits)
+    train = make_problems(spec.n_train, seed=spec.seed * 3 + 2, max_digits=digits, exclude={p.prompt for p in heldout})
+    sft = make_problems(spec.n_sft, seed=spec.seed * 3 + 3, max_digits=digits,
                         exclude={p.prompt for p in heldout + train})
 
     model = Qwen3MoeForCausalLM(model_cfg)
@@ -151,14 +205,16 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     rng = random.Random(spec.seed)
-    max_new = spec.max_digits + 2 + (len("print()") if spec.task == "code" else 0)
+    max_new = digits + 2 + (len("print()") if spec.task == "code" else 0)
     acc, step = heldout_accuracy(model, tok, heldout, max_new, spec.task), 0
     log(f"make-tiny: {n_params:,} parameters; step 0 held-out accuracy {acc:.3f}")
     while acc < spec.target_accuracy and step < spec.max_sft_steps:
         model.train()
         for _ in range(spec.eval_every):
-            ids, attn, loss_mask = _sft_batch(tok, rng.sample(sft, spec.batch_size),
-                                              model_cfg.eos_token_id, model_cfg.pad_token_id, spec.task)
+            batch = rng.sample(sft, spec.batch_size)
+            direct = [spec.task == "tool" and rng.random() < spec.direct_share for _ in batch]
+            ids, attn, loss_mask = _sft_batch(tok, batch, model_cfg.eos_token_id, model_cfg.pad_token_id, spec.task,
+                                              direct)
             logits = model(ids[:, :-1], attn[:, :-1])
             loss = F.cross_entropy(logits[loss_mask[:, 1:]], ids[:, 1:][loss_mask[:, 1:]])
             opt.zero_grad(set_to_none=True)

@@ -49,6 +49,15 @@ class Completion:
     # the policy sampled the token (trained on), 0 where the environment wrote it; empty: every token sampled
     loss_mask: tuple[int, ...] = ()
     cached_tokens: int = 0  # of the prompt, served from vLLM's prefix cache (its num_cached_tokens; whole blocks)
+    first_token_at: float = 0.0  # wall-clock time its first token came out (engines built with log_stats; else 0)
+
+
+def _first_token_at(req) -> float:
+    """When the request's first token came out, wall clock (its arrival and vLLM's first-token latency, both taken
+    by the frontend); 0 where vLLM kept no timings (`disable_log_stats`)."""
+    m = getattr(req, "metrics", None)
+    latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    return m.arrival_time + latency if latency else 0.0
 
 
 def _per_prompt(value, count: int, name: str, each) -> list:
@@ -67,7 +76,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, device_type: DeviceType = DeviceType.cpu,
                  seed: int = 0, max_model_len: int | None = None, cpu_cores: Sequence[int] | None = None,
                  own_process: bool = False, interruptible: bool = False, capture_routes: bool = False,
-                 stale_shm: Sequence[str] = (), whole_prefills: bool = False):
+                 stale_shm: Sequence[str] = (), whole_prefills: bool = False, log_stats: bool = False):
         """`cpu_cores` (cpu only): the core each engine rank's OpenMP threads bind to. `own_process`: this
         process hosts nothing but the engine (its Ray actor), so vLLM may run its engine core here
         (`rollout.engine_core_in_process`). `interruptible` (StaleSync's partial rollouts; the actor then
@@ -77,7 +86,9 @@ class VLLMEngine:
         the generation is paused. `capture_routes`: every completion carries the experts the engine chose for
         each of its tokens (`Completion.routes`, for routing replay); prefix caching is then off, since a
         cached token is never routed again. `stale_shm`: shared-memory prefixes of the engine this one replaces
-        (killed, so its workers never unlinked their segments): removed once this engine is up."""
+        (killed, so its workers never unlinked their segments): removed once this engine is up. `log_stats`:
+        vLLM keeps per-request timings, and each completion says when its first token came out (`first_token_at`:
+        benchmarks/agent_bench.py's latency from an observation to the next sampled token)."""
         prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
         with paused_gc():  # vLLM's import, and below its start, without the cyclic collector
             from vllm import LLM
@@ -100,6 +111,7 @@ class VLLMEngine:
             # what the trainer scores; at temperature 1 raw and processed agree.
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
             max_num_seqs=cfg.max_num_seqs or None,
+            disable_log_stats=not log_stats,
             enable_prefix_caching=False if capture_routes else None,
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
@@ -441,7 +453,7 @@ class VLLMEngine:
             return [Completion(i, tuple(c.token_ids), _sampled_logprobs(c), c.finish_reason or "length",
                                self.weight_version, routes=routes_of(routes, req.request_id, c.index,
                                                                      len(prompts[i]) + len(c.token_ids) - 1),
-                               cached_tokens=req.num_cached_tokens or 0)
+                               cached_tokens=req.num_cached_tokens or 0, first_token_at=_first_token_at(req))
                     for i, req in enumerate(outs) for c in req.outputs]
 
     def _params(self, count: int, n: int, temperature, top_p, max_tokens, seed, ignore_eos: bool,

@@ -59,9 +59,19 @@ class Episode:
     turn_starts: list[int] = field(default_factory=list)  # where each model turn begins in `ids`
     contexts: list[int] = field(default_factory=list)  # the context length each turn was sampled from
     cached: list[int] = field(default_factory=list)  # of each turn's context, tokens the engine's prefix cache served
+    first_token_at: list[float] = field(default_factory=list)  # per turn, wall clock of its first token (0: unknown)
+    observed_at: list[float] = field(default_factory=list)  # per observation, wall clock of its arrival
     status: Status = Status.running
     reward: float = 0.0
     error: str = ""
+    restarts: int = 0  # times its environment was lost (its worker died) and the episode began again
+
+    def restart(self) -> None:
+        """Back to the prompt: the environment holding the episode's state is gone, so its turns are too."""
+        for name in ("ids", "mask", "logp", "versions", "turn_starts", "contexts", "cached", "first_token_at",
+                     "observed_at"):
+            getattr(self, name).clear()
+        self.status, self.reward, self.error, self.restarts = Status.running, 0.0, "", self.restarts + 1
 
     @property
     def turns(self) -> int:
@@ -84,7 +94,7 @@ class Episode:
         return min(self.limits.turn_tokens, self.limits.max_tokens - len(self.prompt_ids) - len(self.ids))
 
     def sampled(self, sent: Sequence[int], token_ids: Sequence[int], logp: Sequence[float],
-                versions: int | Sequence[int], cached: int = 0) -> None:
+                versions: int | Sequence[int], cached: int = 0, first_token_at: float = 0.0) -> None:
         """A model turn: `token_ids` sampled (with their `logp`) from the context `sent`, which must be this
         episode's own context, token for token (TokenMismatch otherwise: the episode ends and is not trained)."""
         if not self.running:
@@ -101,23 +111,30 @@ class Episode:
             versions = [versions] * len(token_ids)
         self.contexts.append(len(own))
         self.cached.append(int(cached))
+        self.first_token_at.append(float(first_token_at))
         self.turn_starts.append(len(self.ids))
         self.ids += list(token_ids)
         self.mask += [1] * len(token_ids)
         self.logp += [float(x) for x in logp]
         self.versions += list(versions)
 
-    def observed(self, token_ids: Sequence[int]) -> bool:
+    def observed(self, token_ids: Sequence[int], at: float = 0.0) -> bool:
         """The environment's answer, appended as it is (never trained on). False, and the episode ended at
         max_tokens, where it does not fit in the context with room for one more sampled token."""
         if len(self.prompt_ids) + len(self.ids) + len(token_ids) >= self.limits.max_tokens:
             self.end(Status.max_tokens)
             return False
+        self.observed_at.append(float(at))
         self.ids += list(token_ids)
         self.mask += [0] * len(token_ids)
         self.logp += [0.0] * len(token_ids)
         self.versions += [-1] * len(token_ids)
         return True
+
+    def observation_latencies(self) -> list[float]:
+        """Seconds from each observation's arrival to the first token of the turn that read it (where both
+        times are known)."""
+        return [t - o for o, t in zip(self.observed_at, self.first_token_at[1:]) if o > 0 and t > 0]
 
     def end(self, status: Status, reward: float | None = None, error: str = "") -> None:
         if self.running:

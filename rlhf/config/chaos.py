@@ -5,6 +5,7 @@ from __future__ import annotations
 
 KILL_PHASES = ("generate", "sync", "evaluate")  # an engine killed or stopped: chaos.kill_engines, chaos.stop_engines
 TRAINER_KILL_PHASES = ("update", "logprobs", "sync")
+ENVIRONMENT_KILL_PHASES = ("step", "reset")
 
 
 def engine_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
@@ -17,6 +18,11 @@ def trainer_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
     """`chaos.kill_trainer_ranks` (or `stop_trainer_ranks`) as (step, rank, phase); ValueError naming the entry
     that is not one."""
     return _kills(entries, "RANK", TRAINER_KILL_PHASES)
+
+
+def environment_kills(entries: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """`chaos.kill_environment_workers` as (step, worker, phase); ValueError naming the entry that is not one."""
+    return _kills(entries, "WORKER", ENVIRONMENT_KILL_PHASES)
 
 
 def _kills(entries: tuple[str, ...], what: str, phases: tuple[str, ...]) -> list[tuple[int, int, str]]:

@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.sharding.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
-from rlhf.config.chaos import engine_kills, trainer_kills
+from rlhf.config.chaos import engine_kills, environment_kills, trainer_kills
 from rlhf.schema import (AlgorithmConfig, Attention, DType, Estimator, LossAggregation, ModelConfig, RewardConfig,
                          RewardKind, RouterScoring, RoutingReplay, RunConfig)
 
@@ -368,12 +368,18 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
     for key, parse, count, what in (("kill_engines", engine_kills, cfg.rollout.num_engines, "engines"),
                                     ("stop_engines", engine_kills, cfg.rollout.num_engines, "engines"),
                                     ("kill_trainer_ranks", trainer_kills, world, "trainer ranks"),
-                                    ("stop_trainer_ranks", trainer_kills, world, "trainer ranks")):
+                                    ("stop_trainer_ranks", trainer_kills, world, "trainer ranks"),
+                                    ("kill_environment_workers", environment_kills, cfg.agent.workers,
+                                     "environment workers")):
         entries = getattr(c, key)
         try:
             kills = parse(entries)
         except ValueError as e:
             p.append(Problem(f"chaos.{key}", list(entries), str(e)))
+            continue
+        if kills and key == "kill_environment_workers" and not cfg.agent.enabled:
+            p.append(Problem(f"chaos.{key}", list(entries), "kills environment workers, which only agent runs "
+                             "(agent.environment set) have"))
             continue
         for step, index, _ in kills:
             if not 0 <= index < count or not 1 <= step <= cfg.steps:
@@ -417,6 +423,8 @@ def agent_problems(cfg: RunConfig) -> list[Problem]:
                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}: lower it"))
     if g.step_timeout_s <= 0:
         p.append(Problem("agent.step_timeout_s", g.step_timeout_s, "must be > 0 seconds"))
+    if g.workers < 1:
+        p.append(Problem("agent.workers", g.workers, "must be >= 1 (the environment workers episodes are spread over)"))
     try:
         load_environment(g.environment, g.environment_args)
     except ConfigError as e:

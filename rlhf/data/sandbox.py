@@ -115,6 +115,7 @@ class SandboxResult:
     status: str  # passed | failed | error | timeout | blocked (the box stopped it) | bad_tests
     seconds: float
     detail: str = ""  # the failing case, or the tail of stderr
+    output: str = ""  # what the program wrote to stdout in the failing case (its first 200 characters)
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,8 @@ def check(response: str, answer: str, cfg: SandboxConfig) -> SandboxResult:
     if not failures:
         return SandboxResult(1.0, "passed", seconds)
     score = verdicts.count(None) / len(wants) if partial else 0.0
-    return SandboxResult(score, failures[0][0], seconds, failures[0][1])
+    failed = next((run for run, v in zip(runs, verdicts) if v is not None), None)
+    return SandboxResult(score, failures[0][0], seconds, failures[0][1], failed.out[:200] if failed else "")
 
 
 def _verdict(i: int, run: CaseRun, want: str | None, cfg: SandboxConfig) -> tuple[str, str] | None:

@@ -28,12 +28,20 @@ def limits_of(cfg: RunConfig) -> Limits:
                   step_timeout_s=g.step_timeout_s)
 
 
+def environments(cfg: RunConfig, roles):
+    """The run's environment workers (`Roles.environment_pool`), or environments in this process where the roles
+    have none (built by hand, as tests do)."""
+    make_env = load_environment(cfg.agent.environment, cfg.agent.environment_args)
+    if not getattr(roles, "environments", None):
+        return make_env
+    return roles.environment_pool(tuple(make_env().stop))
+
+
 def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullcontext) -> dict:
     """The step's `rlhf.driver.rollout.Rollout`, as its fields."""
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
     rows = sampler.next(P)
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
-    make_env = load_environment(cfg.agent.environment, cfg.agent.environment_args)
     seed = cfg.seed * 100_003 + step * 101
 
     def generate(contexts, max_tokens, stop, seeds, episodes):
@@ -42,7 +50,7 @@ def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullco
 
     with turn():
         t0 = time.time()
-        eps, counts = run_episodes(generate, make_env, [r for r in rows for _ in range(G)],
+        eps, counts = run_episodes(generate, environments(cfg, roles), [r for r in rows for _ in range(G)],
                                    [p for p in prompts for _ in range(G)], tok, limits_of(cfg), seed=seed)
         seconds = time.time() - t0
     rewards_PG = torch.tensor([e.reward for e in eps], dtype=torch.float32).view(P, G)
@@ -70,22 +78,24 @@ def agent_metrics(eps: list[Episode], counts) -> dict[str, float]:
     m = {f"agent/episodes_{s.value}": counts.get(s.value, 0) / n for s in Status if s is not Status.running}
     sampled = sum(sum(e.mask) for e in eps)
     observed = sum(len(e.mask) - sum(e.mask) for e in eps)
+    called = [e for e in eps if e.trained and len(e.mask) > sum(e.mask)]  # the environment answered a turn
     later = [(c, x) for e in eps for c, x in zip(e.contexts[1:], e.cached[1:])]  # turns after the first
     hit = sum(x for _, x in later) / max(sum(c for c, _ in later), 1)
     return m | {"agent/prefix_cache_hit_rate": hit, "agent/turns_mean": sum(e.turns for e in eps) / n,
-                "agent/token_mismatch": counts["token_mismatch"],
+                "agent/token_mismatch": counts["token_mismatch"], "agent/restarted": counts["restarted"],
                 "agent/env_steps": counts["env_steps"], "agent/sampled_tokens": sampled,
                 "agent/observation_tokens": observed,
-                "agent/success": sum(e.reward > 0 for e in eps if e.trained) / n}
+                "agent/success": sum(e.reward > 0 for e in eps if e.trained) / n,
+                "agent/tool_call_rate": len(called) / n,
+                "agent/success_given_call": sum(e.reward > 0 for e in called) / max(len(called), 1)}
 
 
 def run_greedy_episodes(cfg: RunConfig, roles, tok, rows, prompts) -> float:
     """Held-out success: one greedy episode per row, the share whose environment rewarded them (> 0)."""
-    make_env = load_environment(cfg.agent.environment, cfg.agent.environment_args)
 
     def generate(contexts, max_tokens, stop, seeds, episodes):
         return roles.generate(contexts, n=1, seed=0, seeds=seeds, engine_of=list(episodes), max_tokens=max_tokens,
                               stop=list(stop), temperature=0.0, phase="evaluate")
 
-    eps, _ = run_episodes(generate, make_env, rows, prompts, tok, limits_of(cfg))
+    eps, _ = run_episodes(generate, environments(cfg, roles), rows, prompts, tok, limits_of(cfg))
     return sum(e.reward > 0 for e in eps) / max(len(eps), 1)

@@ -21,7 +21,7 @@ from typing import Callable
 
 from actors.remote import RoleError, settle
 from actors.replies import SyncReplies
-from rlhf.config.chaos import engine_kills, trainer_kills
+from rlhf.config.chaos import engine_kills, environment_kills, trainer_kills
 from rlhf.errors import EngineRestartsExhausted, PolicyRestartRefused
 from rlhf.schema import ChaosConfig, RolloutConfig, RunConfig
 
@@ -157,7 +157,7 @@ class Faults:
     def inject(self, phase: str) -> None:
         """chaos: kill the engines and trainer ranks due at this step and phase (`Roles` calls it with its
         phase, or the method it fans out), their calls just sent."""
-        phase = {"send_weights": "sync"}.get(phase, phase)
+        phase = {"send_weights": "sync", "env_step": "step", "env_reset": "reset"}.get(phase, phase)
         roles = self.run.roles
         at = self.run.at_step if threading.current_thread() is self.main_thread else self.producer_batch
         for kill in [k for k in self.kills if k[0] == at and k[3] == phase]:
@@ -174,7 +174,7 @@ class Faults:
                         signal.SIGSTOP)
                 continue
             self.run.log(f"step {step}: chaos: killing {role} rank {index} during {phase}")
-            (roles.engines if role == "rollout" else roles.trainer)[index].kill()
+            {"rollout": roles.engines, "environment": roles.environments}.get(role, roles.trainer)[index].kill()
 
     def restart_policy(self, e: RoleError) -> None:
         """A trainer or reference rank died: every such rank started again, the last complete checkpoint
@@ -241,7 +241,8 @@ def chaos_kills(c: ChaosConfig) -> list[tuple]:
     return ([(s, "rollout", k, ph) for s, k, ph in engine_kills(c.kill_engines)]
             + [(s, "stop rollout", k, ph) for s, k, ph in engine_kills(c.stop_engines)]
             + [(s, "trainer", r, ph) for s, r, ph in trainer_kills(c.kill_trainer_ranks)]
-            + [(s, "stop trainer", r, ph) for s, r, ph in trainer_kills(c.stop_trainer_ranks)])
+            + [(s, "stop trainer", r, ph) for s, r, ph in trainer_kills(c.stop_trainer_ranks)]
+            + [(s, "environment", w, ph) for s, w, ph in environment_kills(c.kill_environment_workers)])
 
 
 def policy_died(e: BaseException) -> bool:

@@ -10,12 +10,15 @@ ranks of one role may not.
     reference  as many as the trainer, same coordinates          when algorithm.kl_coef > 0
     rollout    rollout.num_engines * ranks per engine            always; engine k rank i is rank k * W + i,
                (W = tp, or ep when ep > 1)                       W the ranks per engine
-    reward     reward.workers                                    always
+    reward     reward.workers                                    without agent.environment
+    environment  agent.workers                                   with agent.environment (episodes'
+                                                                 environments; the reward is theirs)
 
 Reward workers: rule verifiers (exact_match, math_verify) are CPU processes. On device_type cpu every
 process stands on a device anyway, so they take a device like any rank; on cuda/npu they need no
 accelerator and get none (`DeviceMap.unplaced`: plain CPU actors, no bundle) unless their devices are
-listed. A reward model (kind: model) is placed like any role.
+listed. A reward model (kind: model) is placed like any role. Environment workers are placed as rule verifiers
+are (CPU processes: a device on cpu, none on cuda/npu unless listed).
 
 Default policy for a role whose devices are "":
     colocate: true   every role from device 0: trainer on 0..W-1, reference on the trainer's devices,
@@ -42,7 +45,7 @@ from rlhf.sharding.layout import inference_layout
 from rlhf.placement.devices import abbreviate, format_devices, read_devices
 from rlhf.schema import DeviceType, PlacementConfig, RewardKind, RunConfig
 
-ROLES = ("trainer", "reference", "rollout", "reward")
+ROLES = ("trainer", "reference", "rollout", "reward", "environment")
 # Resource names Ray fills from the hardware it detects (or reserves): a bundle asking for them on a machine
 # without such devices never schedules, and on one with them it would claim real accelerators.
 RAY_RESERVED = ("CPU", "GPU", "NPU", "TPU", "HPU", "memory", "object_store_memory")
@@ -82,7 +85,11 @@ def _needs(cfg: RunConfig) -> tuple[list[RoleNeed], list[Problem], int]:
         what = f"tp = {r.tp}" if r.ep == 1 else f"ep = {r.ep} (data-parallel attention over ep / tp groups)"
         needs.append(RoleNeed("rollout", il.world_size, f"rollout.num_engines * ranks per engine = {r.num_engines} * "
                                                         f"{per_engine}, ranks per engine being {what}", True))
-    if w.workers < 1:
+    if cfg.agent.enabled:  # the environments reward the episodes: no reward workers
+        if cfg.agent.workers >= 1:
+            placed = p.device_type is DeviceType.cpu or bool(str(p.environment.devices).strip())
+            needs.append(RoleNeed("environment", cfg.agent.workers, f"agent.workers = {cfg.agent.workers}", placed))
+    elif w.workers < 1:
         problems.append(Problem("reward.workers", w.workers, "must be >= 1 (a step's samples are split over them)"))
     else:
         placed = p.device_type is DeviceType.cpu or w.kind is RewardKind.model or bool(str(p.reward.devices).strip())
@@ -203,7 +210,7 @@ def _default(role: str, ranks: int, chosen: dict[str, tuple[int, ...]], colocate
     start = 0
     if not colocate and role == "rollout" and chosen.get("trainer"):
         start = max(chosen["trainer"]) + 1
-    if not colocate and role == "reward" and chosen.get("rollout"):
+    if not colocate and role in ("reward", "environment") and chosen.get("rollout"):
         if len(chosen["rollout"]) >= ranks:
             return chosen["rollout"][:ranks]
         start = chosen["rollout"][0]

@@ -65,7 +65,7 @@ def device_bytes(cfg: RunConfig, dm: DeviceMap, rb: RankBytes) -> dict[int, dict
     for rank, weights in enumerate(rb.rollout_weights):
         out[rollout[rank]]["rollout"] = math.ceil(engine_device_bytes(
             weights, p.device_type.value, r.cpu_kv_cache_gib, r.gpu_memory_utilization, p.device_memory_gib))
-    reward = dm.devices_of("reward")
+    reward = dm.devices_of("reward") if "reward" in dm.role_names else ()
     per_worker = count_params(cfg.model) * DTYPE_BYTES[cfg.model.dtype.value] if cfg.reward.kind is RewardKind.model else 0
     for d in reward:
         out[d]["reward"] = per_worker
@@ -95,8 +95,11 @@ def memory_notes(cfg: RunConfig) -> list[str]:
         notes.append(f"rollout: the engine rank's vLLM buffers ({r.dtype.value}) only; vLLM also claims "
                      f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} of the device for KV cache: set "
                      f"placement.device_memory_gib to include it")
-    notes.append(f"reward: {cfg.reward.kind.value}: " + ("the policy's shape, whole, per worker (an assumption)"
-                                                       if cfg.reward.kind is RewardKind.model else "no device memory"))
+    if cfg.agent.enabled:
+        notes.append(f"environment: {cfg.agent.environment}: no device memory (CPU processes)")
+    else:
+        notes.append(f"reward: {cfg.reward.kind.value}: " + ("the policy's shape, whole, per worker (an assumption)"
+                                                           if cfg.reward.kind is RewardKind.model else "no device memory"))
     notes.append("co-located roles time-share a device: 'all' adds every resident role (nothing offloaded), "
                  "'peak' is the largest one (the others offloaded while it runs)")
     return notes

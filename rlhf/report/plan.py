@@ -56,13 +56,15 @@ def _role_line(cfg: RunConfig, dm: DeviceMap, lay: Layout, il: InferenceLayout, 
         W = il.ranks_per_engine
         what = (f"{il.engines} engine{'s' * (il.engines > 1)} x {W} rank{'s' * (W > 1)} (tp{il.tp}"
                 + (f" ep{il.ep}" if il.ep > 1 else "") + ")")
+    elif role == "environment":
+        what = f"{cfg.agent.workers} worker{'s' * (cfg.agent.workers > 1)} ({cfg.agent.environment})"
     else:
         what = f"{cfg.reward.workers} worker{'s' * (cfg.reward.workers > 1)} ({cfg.reward.kind.value})"
     devices = dm.devices_of(role)
     if not devices:
-        return f"  {role:<9} {what}: CPU-only actors, no device"
+        return f"  {role:<11} {what}: CPU-only actors, no device"
     nodes = sorted({dm.node_of(d) for d in devices})
-    return (f"  {role:<9} {what}: device{'s' * (len(devices) > 1)} {abbreviate(devices)} "
+    return (f"  {role:<11} {what}: device{'s' * (len(devices) > 1)} {abbreviate(devices)} "
             f"(node{'s' * (len(nodes) > 1)} {abbreviate(nodes)})")
 
 

@@ -49,7 +49,7 @@ def engine(tmp_path_factory):
     save_tokenizer(tok, d)
     save_pretrained(m, d)
     e = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, temperature=1.0, block_size=32), max_model_len=128,
-                   whole_prefills=True)
+                   whole_prefills=True, log_stats=True)
     yield e, tok
     e.close()
 
@@ -85,3 +85,6 @@ def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
         for k in range(1, ep.turns):
             computed = ep.contexts[k - 1] + sum(ep.mask[ep.turn_starts[k - 1]:ep.turn_starts[k]]) - 1
             assert ep.cached[k] == computed // 32 * 32
+        # with vLLM's timings, every later turn's first token came out after the observation it read
+        waits = ep.observation_latencies()
+        assert len(waits) == ep.turns - 1 and all(0 < w < 60 for w in waits)

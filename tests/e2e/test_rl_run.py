@@ -357,3 +357,50 @@ def test_multi_turn_episodes_in_the_loop(tiny, ray_session, tmp_path):
         assert m["agent/observation_tokens"] > 0 and m["agent/turns_mean"] > 1  # wrong answers were tried again
         assert m["parity/p99_abs_diff"] < 1e-3 and m["parity/tokens"] == m["agent/sampled_tokens"]
     assert 0 <= result["heldout_accuracy_end"] <= 1 and len(result["heldout_accuracy_history"]) >= 2
+
+
+def test_episodes_survive_hung_and_failing_environments_and_killed_workers(tiny, ray_session, tmp_path):
+    """Chaos for episodes (docs/agents.md): environments that hang or raise now and then (`rlhf.agents.flaky`)
+    on two environment workers, one of them killed while a round of steps is out. Every episode ends with a
+    status (the shares add up to one), the hung and failing ones as timeout and env_error, the killed worker's
+    episodes begin again on its replacement, and the run finishes."""
+    d, _ = tiny
+    cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
+        d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "agent.environment=rlhf.agents.flaky:Flaky",
+        "agent.environment_args={environment: rlhf.agents.retry:Retry, hang: 0.02, fail: 0.02, hang_s: 600}",
+        "agent.step_timeout_s=2", "agent.workers=2", "chaos.kill_environment_workers=[1@2]", "agent.max_turns=3",
+        "agent.turn_tokens=8", "agent.max_tokens=96", "algorithm.dynamic_sampling=false", "data.gen_prompts_per_step=0"))
+    result = train(cfg)
+    assert result["steps_run"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
+        assert m["agent/token_mismatch"] == 0 and m["parity/tokens"] == m["agent/sampled_tokens"]
+    assert sum(m["agent/episodes_timeout"] for m in steps) > 0 and sum(m["agent/episodes_env_error"] for m in steps) > 0
+    assert steps[0]["agent/restarted"] == 0 and steps[1]["agent/restarted"] > 0  # worker 1 killed at step 2
+
+
+def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
+    """configs/tiny_cpu_tool.yaml for two steps on a briefly warmed tool policy (`make-tiny --task tool`, 50 SFT
+    steps): episodes call `<calc>`, read the result and answer, on real engines and an environment worker; the
+    tool-call rate and success given a call are logged, no turn drifted, parity over exactly the sampled tokens."""
+    import dataclasses
+
+    from rlhf.config import load_model_config
+    from rlhf.tiny import TinySpec, make_tiny
+
+    d = tmp_path / "tool"
+    make_tiny(d, load_model_config(REPO / "configs/model/qwen3_moe_tiny.yaml"),
+              dataclasses.replace(TinySpec(), task="tool", max_sft_steps=50, eval_every=50, n_heldout=32,
+                                  target_accuracy=1.0, min_accuracy=0.0), log=lambda m: None)
+    cfg = load_run_config(REPO / "configs/tiny_cpu_tool.yaml", _overrides(
+        d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "data.prompts_per_step=8",
+        "algorithm.group_size=8", "trainer.mini_batch_size=64"))
+    result = train(cfg)
+    assert result["steps_run"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
+        assert m["agent/token_mismatch"] == 0 and m["parity/tokens"] == m["agent/sampled_tokens"]
+        assert 0 < m["agent/tool_call_rate"] <= 1 and 0 <= m["agent/success_given_call"] <= 1
+        assert m["agent/observation_tokens"] > 0  # the calculator answered calls

@@ -56,8 +56,8 @@ def test_the_code_task_teaches_print_and_writes_tests_the_sandbox_runs(tmp_path)
     assert parse_tests(tests).cases == (("", str(a + b)),)
     # what the warm start teaches passes the row's test in the sandbox; the sum's bare digits do not
     from rlhf.data.arithmetic import Problem
-    target = sft_target(Problem(prompt, str(a + b)), "code")
-    assert target == f"print({a + b})"
+    [(target, written)] = sft_target(Problem(prompt, str(a + b)), "code")
+    assert target == f"print({a + b})" and written
     assert check(target, tests, SandboxConfig(timeout_s=5.0)).score == 1.0
     assert check(str(a + b), tests, SandboxConfig(timeout_s=5.0)).score == 0.0
     tok = load_tokenizer(tmp_path / "code")
@@ -70,7 +70,35 @@ def test_a_missing_policy_is_named_with_the_make_tiny_command_its_run_needs(tmp_
     from rlhf.tiny import make_tiny_args
 
     for config, args in (("tiny_cpu.yaml", "`"), ("tiny_cpu_code.yaml", " --task code`"),
-                         ("tiny_cpu_pangu.yaml", " --model pangu_moe_tiny`")):
+                         ("tiny_cpu_pangu.yaml", " --model pangu_moe_tiny`"), ("tiny_cpu_tool.yaml", " --task tool`")):
         cfg = load_run_config(CONFIGS / config, [f"model.path={tmp_path / 'none'}"])
         with pytest.raises(ConfigError, match=f"rlhf make-tiny {tmp_path / 'none'}{args}"):
             check_model_dir(cfg.model, make_tiny_args(cfg))
+
+
+def test_the_tool_task_teaches_the_call_and_the_copy_but_not_the_result(tmp_path):
+    """`--task tool`: the warm start's sequence is the calculator episode token for token (prompt, call, the
+    environment's result, the copy, EOS), trained on what the policy writes only; the tags are whole tokens."""
+    import json
+
+    from rlhf.agents.calculator import Calculator
+    from rlhf.data.arithmetic import Problem
+    from rlhf.data.tokenizer import load_tokenizer
+    from rlhf.tiny import TOOL_WORDS, _sft_batch
+
+    s = make_tiny(tmp_path / "tool", CFG, dataclasses.replace(QUICK, task="tool"), log=lambda m: None)
+    assert 0.0 <= s["heldout_accuracy"] <= 1.0
+    rows = [json.loads(line) for line in (tmp_path / "tool" / "train.jsonl").read_text().splitlines()]
+    assert max(len(r["answer"]) for r in rows) >= 5  # sums of up to 5-digit numbers
+    tok = load_tokenizer(tmp_path / "tool")
+    assert [tok.encode(w, add_special_tokens=False).ids for w in TOOL_WORDS] == [[tok.token_to_id(w)] for w in TOOL_WORDS]
+    p = Problem("12345+678=", "13023")
+    ids, attn, mask = _sft_batch(tok, [p, p], eos=2, pad=0, task="tool", direct=[False, True])
+    env = Calculator()
+    env.reset(p)
+    obs = env.step("<calc>12345+678</calc>")
+    assert tok.decode(ids[0][attn[0].bool()].tolist(), skip_special_tokens=True) == \
+        "12345+678=<calc>12345+678</calc>" + obs.text + "13023"
+    assert tok.decode(ids[0][mask[0]].tolist(), skip_special_tokens=True) == "<calc>12345+678</calc>13023"
+    assert tok.decode(ids[1][mask[1]].tolist(), skip_special_tokens=True) == "13023"  # answered at once
+    assert ids[0][mask[0]].tolist()[-1] == 2 and ids[1][mask[1]].tolist()[-1] == 2  # and EOS

@@ -160,3 +160,77 @@ def test_an_observation_with_a_reward_or_done_that_is_not_one_ends_as_env_error_
     assert [e.status for e in eps] == [Status.env_error] * 3 and counts["env_error"] == 3
     assert "reward='yes': give a finite number or None" in eps[0].error
     assert "done=1: give True or False" in eps[1].error and "SystemExit" in eps[2].error
+
+
+class Losing:
+    """An `Environments` whose worker holding episode 0 dies at its first step (and, for `times` > 1, again at
+    each later first step): the episode's outcome is `lost`, the others' answered as a calculator would."""
+
+    stop = ("</calc>",)
+
+    def __init__(self, times=1):
+        from rlhf.agents.runner import LocalEnvironments
+
+        self.local, self.times, self.resets = LocalEnvironments(Calculator, 5.0), times, []
+
+    def reset(self, keys, rows):
+        self.resets.append(list(keys))
+        return self.local.reset(keys, rows)
+
+    def step(self, keys, texts):
+        from rlhf.agents.runner import Outcome
+
+        outs = self.local.step(keys, texts)
+        if 0 in keys and self.times > 0:
+            self.times -= 1
+            outs[list(keys).index(0)] = Outcome("lost")
+        return outs
+
+    def close(self):
+        self.local.close()
+
+
+def test_an_episode_whose_environment_is_lost_begins_again_from_its_prompt():
+    """A dead environment worker: its episodes begin again from their prompts on a fresh environment (reset
+    again), the others go on; the restarted episode's tokens are its second attempt's alone."""
+    rows = _rows(["579", "12"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    envs = Losing()
+    gen = Scripted({0: ["<calc>123+456</calc>", "<calc>123+456</calc>", "579"], 1: ["12"]})
+    eps, counts = run_episodes(gen, envs, rows, prompts, TOK, Limits(max_turns=3, max_tokens=64, turn_tokens=32))
+    assert envs.resets == [[0, 1], [0]] and counts["restarted"] == 1 and eps[0].restarts == 1
+    assert [e.status for e in eps] == [Status.done, Status.done] and [e.reward for e in eps] == [1.0, 1.0]
+    assert eps[0].ids == ids("<calc>123+456</calc>") + ids("<result>579</result>") + ids("579")
+    assert eps[0].turns == 2 and len(eps[0].contexts) == 2
+
+
+def test_an_episode_lost_again_and_again_ends_as_env_error():
+    from rlhf.agents.runner import MAX_RESTARTS
+
+    rows = _rows(["579"])
+    eps, counts = run_episodes(Scripted({0: ["<calc>1+1</calc>"] * 9}), Losing(times=9), rows,
+                               [TOK.encode("0:").ids], TOK, Limits(max_turns=3, max_tokens=64, turn_tokens=32))
+    assert eps[0].status is Status.env_error and "lost" in eps[0].error
+    assert counts["restarted"] == MAX_RESTARTS and not eps[0].trained
+
+
+def test_the_flaky_environment_hangs_and_raises_as_asked():
+    """`rlhf.agents.flaky:Flaky` (chaos for episodes): its hung calls end their episodes as timeout, its failing
+    ones as env_error, and every episode ends with a status."""
+    import itertools
+
+    from rlhf.agents import flaky
+    from rlhf.agents.flaky import Flaky as Chaos
+
+    flaky._made = itertools.count()  # the environments' draws as in a fresh process
+    make = load_environment("rlhf.agents.flaky:Flaky", {"environment": "rlhf.agents.retry:Retry", "hang": 0.2,
+                                                        "fail": 0.2, "hang_s": 30, "seed": 2})
+    rows = _rows(["1"] * 10)
+    t0 = time.monotonic()
+    eps, counts = run_episodes(Scripted({i: ["1"] for i in range(10)}), make, rows,
+                               [TOK.encode(r.prompt).ids for r in rows], TOK, Limits(step_timeout_s=0.5))
+    assert time.monotonic() - t0 < 10
+    assert counts["timeout"] > 0 and counts["env_error"] > 0 and counts["done"] > 0, counts
+    assert counts["timeout"] + counts["env_error"] + counts["done"] == 10
+    with pytest.raises(ValueError, match="probabilities"):
+        Chaos("rlhf.agents.retry:Retry", hang=0.8, fail=0.5)

@@ -41,3 +41,24 @@ def test_each_problem_of_an_episode_run_is_named(tmp_path):
 def test_an_environment_that_cannot_be_made_is_refused_before_anything_starts(tmp_path, spec, why):
     with pytest.raises(ConfigError, match=why):
         _load(tmp_path, f"agent.environment={spec}")
+
+
+def test_an_episode_run_has_environment_workers_and_no_reward_workers(tmp_path):
+    """The environments reward the episodes: the run places `agent.workers` environment workers (as rule
+    verifiers are placed) and no reward workers, and `rlhf plan` lists them."""
+    from pathlib import Path
+
+    from rlhf.placement import device_map
+    from rlhf.report.plan import plan_report
+
+    cfg = load_run_config(Path(__file__).resolve().parents[4] / "configs" / "tiny_cpu_retry.yaml", ["agent.workers=2"])
+    dm = device_map(cfg)
+    assert dm.role_names == ("trainer", "rollout", "environment") and dm.devices_of("environment") == (0, 1)
+    lines, summary = plan_report(cfg, dm)
+    assert summary["roles"] == {"trainer": 2, "rollout": 2, "environment": 2}
+    assert any("environment 2 workers (rlhf.agents.retry:Retry): devices 0-1" in line for line in lines)
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, ENV, "agent.workers=0", "chaos.kill_environment_workers=[x@1]")
+    assert "agent.workers = 0: must be >= 1" in str(e.value) and "WORKER@STEP" in str(e.value)
+    with pytest.raises(ConfigError, match="which only agent runs"):
+        _load(tmp_path, "chaos.kill_environment_workers=[0@1]")
