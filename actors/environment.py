@@ -27,7 +27,12 @@ class EnvironmentWorker:
     def __init__(self, spec: str, kwargs: dict, timeout_s: float):
         from rlhf.agents.environment import load_environment
 
-        self.envs = LocalEnvironments(load_environment(spec, kwargs), timeout_s)
+        make = load_environment(spec, kwargs)
+        check = getattr(make(), "check_machine", None)  # an environment that needs something of the machine
+        problem = check() if callable(check) else None
+        if problem:
+            raise RuntimeError(f"environment {spec} cannot run on this worker's machine: {problem}")
+        self.envs = LocalEnvironments(make, timeout_s)
 
     def pid(self) -> int:
         return os.getpid()

@@ -39,7 +39,8 @@ def _make_tiny(args) -> int:
     if args.init_std is not None and args.init_std <= 0:
         raise ConfigError(f"--init-std {args.init_std}: the standard deviation must be positive, e.g. 0.02")
     cfg = load_model_config(path)
-    spec = TinySpec(seed=args.seed, target_accuracy=args.target_accuracy, lr=sft_lr(cfg) if args.lr is None else args.lr,
+    target = args.target_accuracy if args.target_accuracy is not None else 0.5 if args.task == "tool" else 0.2
+    spec = TinySpec(seed=args.seed, target_accuracy=target, lr=sft_lr(cfg) if args.lr is None else args.lr,
                     max_sft_steps=sft_max_steps(cfg),
                     init_std=sft_init_std(cfg) if args.init_std is None else args.init_std, task=args.task)
     summary = make_tiny(args.dir, cfg, spec, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -160,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(REPO_CONFIGS / "model" / "qwen3_moe_tiny.yaml"),
                    help="model shape YAML, or the name of one under configs/model (qwen3_moe_tiny, pangu_moe_tiny)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-accuracy", type=float, default=0.2,
-                   help="stop the supervised warm start once greedy held-out accuracy reaches this fraction")
+    p.add_argument("--target-accuracy", type=float, default=None,
+                   help="stop the supervised warm start once greedy held-out accuracy reaches this fraction (default "
+                        "0.2; the tool task: 0.5 of episodes that call the calculator)")
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate of the warm start (default: 3e-3 for Qwen3-MoE, 1e-3 for pangu_moe)")
     p.add_argument("--init-std", type=float, default=None,

@@ -421,6 +421,12 @@ class AgentConfig:
     # Multi-turn, tool-using episodes (docs/agents.md). Unset environment: one completion per sample, as before.
     environment: Optional[str] = None  # "module:Class", made once per episode, e.g. rlhf.agents.calculator:Calculator
     environment_args: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of that class
+    # or an agent program speaking the OpenAI chat API: "module:fn", fn(row, base_url, api_key) -> reward, called
+    # per episode against a session of the run's endpoint (rlhf.agents.endpoint); the messages rendered by
+    # chat_roles (role -> template of {content}; empty: contents as they are) and chat_assistant_prefix
+    function: Optional[str] = None
+    chat_roles: Dict[str, str] = field(default_factory=dict)
+    chat_assistant_prefix: str = ""
     max_turns: int = 4  # model turns per episode
     max_tokens: int = 256  # an episode's whole context: prompt, sampled and observation tokens
     turn_tokens: int = 64  # new tokens per model turn at most (rollout.max_new_tokens is for single turns)
@@ -429,7 +435,7 @@ class AgentConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.environment is not None
+        return self.environment is not None or self.function is not None
 
 
 class TrackingMode(Enum):

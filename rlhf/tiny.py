@@ -19,8 +19,11 @@ docs/code_reward.md). The tokenizer's alphabet gains the characters of `print()`
 `task="tool"` (`rlhf make-tiny DIR --task tool`): sums of up to 5-digit numbers, too long for the tiny policy to
 add in its head, answered with the calculator tool (`rlhf.agents.calculator`, docs/agents.md): the warm start
 shows the episode `12345+678=<calc>12345+678</calc><result>13023</result>13023` (the result is the environment's,
-out of the loss) and, for `direct_share` of the problems, the sum written at once; held-out accuracy is the share
-of greedy episodes the calculator rewards. The tags are whole tokens of the tokenizer.
+out of the loss) and, for `direct_share` of the problems (the majority by default), the sum written at once, which
+it cannot learn. So the policy can call and copy but mostly does not: SFT stops when greedy episodes whose first
+token is forced to `<calc>` reach the target (`heldout_accuracy_with_call`), and `heldout_accuracy`, greedy episodes
+left to choose, starts near 0; RL has to find that calling pays (configs/tiny_cpu_tool.yaml). The tags are whole
+tokens of the tokenizer.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class TinySpec:
     lr: float = 3e-3
     init_std: float = 0.02
     task: str = "add"  # add: the sum's digits; code: a program printing it, scored in the sandbox; tool: a call
-    direct_share: float = 0.3  # tool task: the share of warm-start problems answered without the calculator
+    direct_share: float = 0.6  # tool task: the share of warm-start problems answered without the calculator
 
 
 TASKS = ("add", "code", "tool")
@@ -123,8 +126,10 @@ def sft_max_steps(model_cfg: ModelConfig) -> int:
 
 def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], max_new_tokens: int,
                      task: str = "add") -> float:
+    """Greedy held-out accuracy: of the answers (add), the programs (code), or of episodes that call the calculator
+    (tool: their first token forced to `<calc>`, `tool_success`)."""
     if task == "tool":
-        return tool_success(model, tok, problems)
+        return tool_success(model, tok, problems, force_call=True)
     prompts = [tok.encode(p.prompt).ids for p in problems]
     texts = [tok.decode(o) for o in greedy_generate(model, prompts, max_new_tokens)]
     if task == "code":  # the programs run as the run's reward workers run them
@@ -136,9 +141,11 @@ def heldout_accuracy(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem
     return sum(is_correct(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 
-def tool_success(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], limits: Limits = TOOL_LIMITS) -> float:
+def tool_success(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], limits: Limits = TOOL_LIMITS,
+                 force_call: bool = False) -> float:
     """The share of greedy episodes with the calculator (`rlhf.agents.runner`, our model in place of the engines)
-    that end rewarded."""
+    that end rewarded; `force_call`: each episode's first token is `<calc>` (how well the policy calls and copies,
+    whether or not it would choose to call)."""
     from types import SimpleNamespace
 
     from rlhf.agents.calculator import Calculator
@@ -148,18 +155,22 @@ def tool_success(model: Qwen3MoeForCausalLM, tok, problems: Sequence[Problem], l
 
     def generate(contexts, max_tokens, stop, seeds, episodes):
         stop_ids, longest = {tok.token_to_id(s) for s in stop}, max(max_tokens)
+        first = [force_call and len(c) == len(p) for c, p in zip(contexts, (prompts[e] for e in episodes))]
+        forced = [[calc] if f else [] for f in first]
         outs = []
-        for row, cap in zip(greedy_generate(model, contexts, longest, stop_ids=stop_ids), max_tokens):
-            at_stop = bool(row) and row[-1] in stop_ids
-            if not at_stop and len(row) < longest:
-                row = row + [eos]  # greedy_generate ended it at EOS, which it does not return
-            finished = (at_stop or row[-1:] == [eos]) and len(row) <= cap
+        rows = greedy_generate(model, [c + f for c, f in zip(contexts, forced)], longest, stop_ids=stop_ids)
+        for raw, cap, f in zip(rows, max_tokens, forced):
+            at_stop = bool(raw) and raw[-1] in stop_ids
+            at_eos = not at_stop and len(raw) < longest  # greedy_generate ended it at EOS, which it does not return
+            row = f + raw + [eos] * at_eos
+            finished = (at_stop or at_eos) and len(row) <= cap
             row = row[:cap]
             outs.append(SimpleNamespace(token_ids=row, logp=[0.0] * len(row), weight_version=0,
                                         finish_reason="stop" if finished else "length"))
         return outs
 
-    eps, _ = run_episodes(generate, Calculator, problems, [tok.encode(p.prompt).ids for p in problems], tok, limits)
+    calc, prompts = tok.token_to_id(TOOL_WORDS[0]), [tok.encode(p.prompt).ids for p in problems]
+    eps, _ = run_episodes(generate, Calculator, problems, prompts, tok, limits)
     return sum(e.reward > 0 for e in eps) / max(len(eps), 1)
 
 
@@ -228,6 +239,7 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
         raise RuntimeError(f"make-tiny: held-out accuracy {acc:.3f} after {step} SFT steps is below "
                            f"{spec.min_accuracy}; raise max_sft_steps or lr")
 
+    chosen = tool_success(model, tok, heldout) if spec.task == "tool" else acc  # left to choose whether to call
     save_tokenizer(tok, out, model_max_length=model_cfg.max_position_embeddings)
     save_pretrained(model, out)
     written = as_code if spec.task == "code" else list
@@ -236,7 +248,8 @@ def make_tiny(out_dir: str | Path, model_cfg: ModelConfig, spec: TinySpec = Tiny
     summary = {
         "dir": str(out),
         "params": n_params,
-        "heldout_accuracy": acc,
+        "heldout_accuracy": chosen,
+        **({"heldout_accuracy_with_call": acc} if spec.task == "tool" else {}),
         "heldout_file": str(out / "heldout.jsonl"),
         "train_file": str(out / "train.jsonl"),
         "sft_steps": step,

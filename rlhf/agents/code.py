@@ -41,10 +41,12 @@ class CodeFeedback:
         except Exception as e:
             raise ValueError(f"CodeFeedback: sandbox {dict(sandbox or {})} is not a reward.sandbox section "
                              f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-        problem = _isolation_problem(self.sandbox)
-        if problem:
-            raise RuntimeError(problem)
         self.answer, self.tries = "", 0
+
+    def check_machine(self) -> str | None:
+        """Whether this machine can make the sandbox's box (asked by each environment worker as it starts, as a
+        reward worker asks: a worker that cannot run programs fails the run's start, saying why)."""
+        return _isolation_problem(self.sandbox)
 
     def reset(self, row) -> None:
         self.answer, self.tries = row.answer, 0
@@ -52,6 +54,9 @@ class CodeFeedback:
     def step(self, text: str) -> Observation:
         from rlhf.data.sandbox import check
 
+        problem = _isolation_problem(self.sandbox)
+        if problem:
+            raise RuntimeError(problem)
         self.tries += 1
         verdict = check(text, self.answer, self.sandbox)
         if verdict.score >= 1.0:

@@ -132,7 +132,7 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
                  prompts: Sequence[Sequence[int]], tok, limits: Limits, seed: int = 0) -> tuple[list[Episode], Counter]:
     """Episodes for `rows` (one per row, starting from `prompts`, their token ids), run to their ends; `envs` an
     `Environments` or a factory of environments (then made in this process). Returns the episodes in row order
-    and a Counter of their end statuses plus `token_mismatch`, `env_steps`, `restarted`."""
+    and a Counter of their end statuses (token_mismatch among them) plus `env_steps` and `restarted`."""
     if isinstance(envs, type) or not hasattr(envs, "step"):  # a class or a function making environments
         envs = LocalEnvironments(envs, limits.step_timeout_s)
     episodes = [Episode(i, r, tuple(p), limits) for i, (r, p) in enumerate(zip(rows, prompts))]
@@ -168,8 +168,7 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
                 ep.sampled(sent, out.token_ids, out.logp,
                            list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version,
                            getattr(out, "cached_tokens", 0), getattr(out, "first_token_at", 0.0))
-            except TokenMismatch:
-                counts["token_mismatch"] += 1
+            except TokenMismatch:  # the episode ended as token_mismatch: counted with the statuses
                 continue
             if getattr(out, "finish_reason", "stop") != "stop" and ep.room() <= 0:
                 ep.end(Status.max_tokens)  # cut off by the full context: not a turn the environment judges

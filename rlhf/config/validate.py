@@ -377,7 +377,7 @@ def chaos_problems(cfg: RunConfig) -> list[Problem]:
         except ValueError as e:
             p.append(Problem(f"chaos.{key}", list(entries), str(e)))
             continue
-        if kills and key == "kill_environment_workers" and not cfg.agent.enabled:
+        if kills and key == "kill_environment_workers" and cfg.agent.environment is None:
             p.append(Problem(f"chaos.{key}", list(entries), "kills environment workers, which only agent runs "
                              "(agent.environment set) have"))
             continue
@@ -425,10 +425,25 @@ def agent_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("agent.step_timeout_s", g.step_timeout_s, "must be > 0 seconds"))
     if g.workers < 1:
         p.append(Problem("agent.workers", g.workers, "must be >= 1 (the environment workers episodes are spread over)"))
-    try:
-        load_environment(g.environment, g.environment_args)
-    except ConfigError as e:
-        p.append(Problem("agent.environment", g.environment, str(e)))
+    if g.environment is not None and g.function is not None:
+        p.append(Problem("agent.function", g.function, "and agent.environment are two ways to run episodes: set one"))
+    elif g.environment is not None:
+        try:
+            load_environment(g.environment, g.environment_args)
+        except ConfigError as e:
+            p.append(Problem("agent.environment", g.environment, str(e)))
+    else:
+        from rlhf.agents.endpoint import ChatFormat, load_function
+
+        try:
+            load_function(g.function)
+        except ConfigError as e:
+            p.append(Problem("agent.function", g.function, str(e)))
+        try:
+            ChatFormat(roles=dict(g.chat_roles) or ChatFormat().roles).render(
+                [{"role": r, "content": "x"} for r in (g.chat_roles or ChatFormat().roles)])
+        except (KeyError, IndexError, ValueError) as e:
+            p.append(Problem("agent.chat_roles", dict(g.chat_roles), f"each is a template of {{content}} ({e})"))
     for key, value, on, why in (
             ("stale_sync.max_staleness", cfg.stale_sync.max_staleness, cfg.stale_sync.max_staleness > 0,
              "episodes run with the synchronous loop for now; set it to 0"),
@@ -439,6 +454,6 @@ def agent_problems(cfg: RunConfig) -> list[Problem]:
             ("trainer.routing_replay", cfg.trainer.routing_replay.value,
              cfg.trainer.routing_replay is RoutingReplay.rollout, "episodes keep no engine routes yet; use off or old")):
         if on:
-            p.append(Problem(key, value, f"is not supported with agent.environment: {why}"))
+            p.append(Problem(key, value, f"is not supported with agent episodes: {why}"))
     return p
 

@@ -22,6 +22,16 @@ from rlhf.agents.runner import run_episodes
 from rlhf.schema import RunConfig
 
 
+def episodes_of(cfg: RunConfig, roles, generate, tok, rows, prompts, seed: int = 0):
+    """Run the episodes of `rows`: with the run's environments, or the agent function against the chat endpoint."""
+    if cfg.agent.function is not None:
+        from rlhf.agents.endpoint import ChatFormat, load_function, run_agent_function
+
+        fmt = ChatFormat(dict(cfg.agent.chat_roles) or ChatFormat().roles, cfg.agent.chat_assistant_prefix)
+        return run_agent_function(load_function(cfg.agent.function), generate, tok, rows, limits_of(cfg), fmt, seed)
+    return run_episodes(generate, environments(cfg, roles), rows, prompts, tok, limits_of(cfg), seed=seed)
+
+
 def limits_of(cfg: RunConfig) -> Limits:
     g = cfg.agent
     return Limits(max_turns=g.max_turns, max_tokens=g.max_tokens, turn_tokens=g.turn_tokens,
@@ -50,8 +60,8 @@ def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullco
 
     with turn():
         t0 = time.time()
-        eps, counts = run_episodes(generate, environments(cfg, roles), [r for r in rows for _ in range(G)],
-                                   [p for p in prompts for _ in range(G)], tok, limits_of(cfg), seed=seed)
+        eps, counts = episodes_of(cfg, roles, generate, tok, [r for r in rows for _ in range(G)],
+                                  [p for p in prompts for _ in range(G)], seed=seed)
         seconds = time.time() - t0
     rewards_PG = torch.tensor([e.reward for e in eps], dtype=torch.float32).view(P, G)
     trained_PG = torch.tensor([e.trained for e in eps]).view(P, G)
@@ -97,5 +107,5 @@ def run_greedy_episodes(cfg: RunConfig, roles, tok, rows, prompts) -> float:
         return roles.generate(contexts, n=1, seed=0, seeds=seeds, engine_of=list(episodes), max_tokens=max_tokens,
                               stop=list(stop), temperature=0.0, phase="evaluate")
 
-    eps, _ = run_episodes(generate, environments(cfg, roles), rows, prompts, tok, limits_of(cfg))
+    eps, _ = episodes_of(cfg, roles, generate, tok, rows, prompts)
     return sum(e.reward > 0 for e in eps) / max(len(eps), 1)

@@ -10,7 +10,7 @@ ranks of one role may not.
     reference  as many as the trainer, same coordinates          when algorithm.kl_coef > 0
     rollout    rollout.num_engines * ranks per engine            always; engine k rank i is rank k * W + i,
                (W = tp, or ep when ep > 1)                       W the ranks per engine
-    reward     reward.workers                                    without agent.environment
+    reward     reward.workers                                    without agent.environment or function
     environment  agent.workers                                   with agent.environment (episodes'
                                                                  environments; the reward is theirs)
 
@@ -85,8 +85,8 @@ def _needs(cfg: RunConfig) -> tuple[list[RoleNeed], list[Problem], int]:
         what = f"tp = {r.tp}" if r.ep == 1 else f"ep = {r.ep} (data-parallel attention over ep / tp groups)"
         needs.append(RoleNeed("rollout", il.world_size, f"rollout.num_engines * ranks per engine = {r.num_engines} * "
                                                         f"{per_engine}, ranks per engine being {what}", True))
-    if cfg.agent.enabled:  # the environments reward the episodes: no reward workers
-        if cfg.agent.workers >= 1:
+    if cfg.agent.enabled:  # the environments (or the agent function) reward the episodes: no reward workers
+        if cfg.agent.environment is not None and cfg.agent.workers >= 1:
             placed = p.device_type is DeviceType.cpu or bool(str(p.environment.devices).strip())
             needs.append(RoleNeed("environment", cfg.agent.workers, f"agent.workers = {cfg.agent.workers}", placed))
     elif w.workers < 1:

@@ -95,7 +95,9 @@ def memory_notes(cfg: RunConfig) -> list[str]:
         notes.append(f"rollout: the engine rank's vLLM buffers ({r.dtype.value}) only; vLLM also claims "
                      f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} of the device for KV cache: set "
                      f"placement.device_memory_gib to include it")
-    if cfg.agent.enabled:
+    if cfg.agent.function is not None:
+        notes.append(f"agent function: {cfg.agent.function}: runs on the driver's threads, no device memory")
+    elif cfg.agent.enabled:
         notes.append(f"environment: {cfg.agent.environment}: no device memory (CPU processes)")
     else:
         notes.append(f"reward: {cfg.reward.kind.value}: " + ("the policy's shape, whole, per worker (an assumption)"

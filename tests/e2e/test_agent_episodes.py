@@ -88,3 +88,36 @@ def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
         # with vLLM's timings, every later turn's first token came out after the observation it read
         waits = ep.observation_latencies()
         assert len(waits) == ep.turns - 1 and all(0 < w < 60 for w in waits)
+
+
+def test_the_chat_endpoint_records_what_the_engine_sampled(engine):
+    """A two-turn session driven by a plain HTTP client (`rlhf.agents.chat_agent.chat`): the session's ids are
+    the first request's rendering, the engine's sampled ids as they came and the second message tokenized on its
+    own; the recorded logprobs are the engine's own for those tokens in that context."""
+    from rlhf.agents.chat_agent import chat
+    from rlhf.agents.endpoint import ChatEndpoint
+
+    e, tok = engine
+
+    def generate(contexts, max_tokens, stop, seeds, episodes):
+        return e.generate(contexts, n=1, max_tokens=max_tokens, stop=stop, seed=seeds)
+
+    ep = ChatEndpoint(generate, tok, Limits(max_turns=3, max_tokens=120, turn_tokens=12))
+    try:
+        url = ep.open(0, PromptRow("12+34=", "46", "t:0"))
+        msgs = [{"role": "user", "content": "12+34="}]
+        first = chat(url, ep.token, msgs)["choices"][0]["message"]["content"]
+        msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "<result>7</result>"}]
+        chat(url, ep.token, msgs, stop=["</calc>"])
+        s = ep.session_of(0).episode
+    finally:
+        ep.close()
+    assert s.turns == 2 and list(s.prompt_ids) == tok.encode("12+34=").ids
+    obs = tok.encode("<result>7</result>", add_special_tokens=False).ids
+    before = s.ids[:s.turn_starts[1]]  # the first turn as sampled, then the second message on its own
+    assert before[-len(obs):] == obs and tok.decode(before[:-len(obs)], skip_special_tokens=True) == first
+    assert s.mask == [1] * (len(before) - len(obs)) + [0] * len(obs) + [1] * (len(s.ids) - len(before))
+    full = list(s.prompt_ids) + s.ids
+    scored = torch.tensor(e.sequence_logprobs([full])[0])[len(s.prompt_ids) - 1:]
+    m = torch.tensor(s.mask, dtype=torch.bool)
+    assert torch.allclose(torch.tensor(s.logp)[m], scored[m], atol=1e-4)

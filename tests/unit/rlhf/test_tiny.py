@@ -87,7 +87,7 @@ def test_the_tool_task_teaches_the_call_and_the_copy_but_not_the_result(tmp_path
     from rlhf.tiny import TOOL_WORDS, _sft_batch
 
     s = make_tiny(tmp_path / "tool", CFG, dataclasses.replace(QUICK, task="tool"), log=lambda m: None)
-    assert 0.0 <= s["heldout_accuracy"] <= 1.0
+    assert 0.0 <= s["heldout_accuracy"] <= 1.0 and 0.0 <= s["heldout_accuracy_with_call"] <= 1.0
     rows = [json.loads(line) for line in (tmp_path / "tool" / "train.jsonl").read_text().splitlines()]
     assert max(len(r["answer"]) for r in rows) >= 5  # sums of up to 5-digit numbers
     tok = load_tokenizer(tmp_path / "tool")
@@ -102,3 +102,47 @@ def test_the_tool_task_teaches_the_call_and_the_copy_but_not_the_result(tmp_path
     assert tok.decode(ids[0][mask[0]].tolist(), skip_special_tokens=True) == "<calc>12345+678</calc>13023"
     assert tok.decode(ids[1][mask[1]].tolist(), skip_special_tokens=True) == "13023"  # answered at once
     assert ids[0][mask[0]].tolist()[-1] == 2 and ids[1][mask[1]].tolist()[-1] == 2  # and EOS
+
+
+def test_the_tool_task_measures_episodes_that_call_and_episodes_left_to_choose():
+    """tool_success plays greedy episodes with the calculator; forced to call, a policy that never calls is
+    measured on its copying instead. A policy that copies perfectly but never calls: 0 left to choose, 1 forced."""
+    import torch
+
+    from rlhf.data.arithmetic import Problem
+    from rlhf.data.tokenizer import build_tokenizer
+    from rlhf.tiny import TOOL_WORDS, tool_success
+
+    tok = build_tokenizer(32, words=TOOL_WORDS)
+
+    class Copier(torch.nn.Module):
+        """Writes what the calculator episode needs, token by token, except that it never opens a call."""
+
+        def __init__(self):
+            super().__init__()
+            self.config = CFG
+
+        def forward(self, ids, mask):
+            out = torch.full((ids.shape[0], ids.shape[1], 32), -1e9)
+            for i, row in enumerate(ids.tolist()):
+                text = tok.decode([t for t, m in zip(row, mask[i].tolist()) if m], skip_special_tokens=True)
+                prompt, _, rest = text.partition("=")
+                a, b = (int(x) for x in prompt.split("+"))
+                if rest == "":
+                    nxt = tok.token_to_id("9")  # a wrong direct answer
+                elif rest.startswith("<calc>") and "</calc>" not in rest:
+                    call = f"{a}+{b}</calc>"
+                    done = rest[len("<calc>"):]
+                    nxt = tok.token_to_id("</calc>") if call[len(done):].startswith("</calc>") else \
+                        tok.token_to_id(call[len(done)])
+                elif "</result>" in rest:
+                    ans, got = str(a + b), rest.split("</result>")[1]
+                    nxt = tok.token_to_id(ans[len(got)]) if len(got) < len(ans) else 2
+                else:
+                    nxt = 2
+                out[i, -1, nxt] = 0.0
+            return out
+
+    problems = [Problem("123+45=", "168"), Problem("9+9=", "18")]
+    assert tool_success(Copier(), tok, problems) == 0.0
+    assert tool_success(Copier(), tok, problems, force_call=True) == 1.0

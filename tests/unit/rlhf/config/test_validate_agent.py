@@ -30,7 +30,7 @@ def test_each_problem_of_an_episode_run_is_named(tmp_path):
     for line in ("agent.max_turns = 0: must be >= 1",
                  "agent.max_tokens = 8000: exceeds the model's context",
                  "agent.step_timeout_s = 0", "fix agent.environment_args",
-                 "stale_sync.max_staleness = 1: is not supported with agent.environment",
+                 "stale_sync.max_staleness = 1: is not supported with agent episodes",
                  "rollout.capture_routes = True: is not supported", "algorithm.dynamic_sampling = True: is not",
                  "rollout.block_size = 48: must be a multiple of 32"):
         assert line in msg, (line, msg)
