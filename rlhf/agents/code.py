@@ -12,11 +12,14 @@ tokenizer with words takes `"Your program failed: {detail}. Try again."`.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Mapping
 
 from rlhf.agents.environment import Observation
 
 FIELDS = ("status", "detail", "output")
+_slots: dict[int, threading.Semaphore] = {}  # per sandbox.processes: programs a process runs at once
+_slots_lock = threading.Lock()
 
 
 class CodeFeedback:
@@ -58,7 +61,8 @@ class CodeFeedback:
         if problem:
             raise RuntimeError(problem)
         self.tries += 1
-        verdict = check(text, self.answer, self.sandbox)
+        with _slot(self.sandbox.processes):  # a worker steps every episode at once; its fork servers are `processes`
+            verdict = check(text, self.answer, self.sandbox)
         if verdict.score >= 1.0:
             return Observation(done=True, reward=self.decay ** (self.tries - 1))
         output = verdict.output.strip()[: self.max_output_chars]
@@ -71,3 +75,8 @@ def _isolation_problem(sandbox) -> str | None:
     from rlhf.data.sandbox_box import isolation_problem
 
     return isolation_problem(sandbox)
+
+
+def _slot(processes: int) -> threading.Semaphore:
+    with _slots_lock:
+        return _slots.setdefault(max(1, processes), threading.Semaphore(max(1, processes)))
