@@ -118,14 +118,12 @@ class Roles:
             log(f"roles: this run's last driver ended before it closed its engines; the new engines remove what "
                 f"is left of the shared memory it recorded for them ({', '.join(left)})")
         engines = [start_engine(k, stale_shm=left) for k in range(cfg.rollout.num_engines)]
-        rewards: list[RoleHandle] = []
-        if "reward" not in dm.role_names:
-            pass
-        elif cfg.reward.kind is RewardKind.model:  # actors may not share the driver's cwd: an absolute path
-            rm_dir = str(Path(cfg.reward.model_path).resolve())
+        rewards: list[RoleHandle] = []  # none in agent runs: their environments (or agent function) reward
+        if "reward" in dm.role_names and cfg.reward.kind is RewardKind.model:
+            rm_dir = str(Path(cfg.reward.model_path).resolve())  # actors may not share the driver's cwd
             rewards = [spawn(RewardModelWorker, "reward", i, rm_dir, device_type=dt, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
-        else:
+        elif "reward" in dm.role_names:
             rewards = [spawn(RuleRewardWorker, "reward", i, cfg.reward.kind, cfg.reward.sandbox, **slot("reward", i))
                        for i in range(cfg.reward.workers)]
 
