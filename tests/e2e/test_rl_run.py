@@ -361,14 +361,17 @@ def test_multi_turn_episodes_in_the_loop(tiny, ray_session, tmp_path):
 
 def test_episodes_survive_hung_and_failing_environments_and_killed_workers(tiny, ray_session, tmp_path):
     """Chaos for episodes (docs/agents.md): environments that hang or raise now and then (`rlhf.agents.flaky`)
-    on two environment workers, one of them killed while a round of steps is out. Every episode ends with a
-    status (the shares add up to one), the hung and failing ones as timeout and env_error, the killed worker's
-    episodes begin again on its replacement, and the run finishes."""
+    on two environment workers, one of them killed while a round of steps is out, and an engine killed while the
+    first step's turns generate. Every episode ends with a status (the shares add up to one), the hung and failing
+    ones as timeout and env_error, the killed worker's episodes begin again on its replacement, the dead engine's
+    turns are sampled again on its replacement from the episodes' own tokens (no turn drifted), and the run
+    finishes."""
     d, _ = tiny
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "agent.environment=rlhf.agents.flaky:Flaky",
         "agent.environment_args={environment: rlhf.agents.retry:Retry, hang: 0.02, fail: 0.02, hang_s: 600}",
-        "agent.step_timeout_s=2", "agent.workers=2", "chaos.kill_environment_workers=[1@2]", "agent.max_turns=3",
+        "agent.step_timeout_s=2", "agent.workers=2", "chaos.kill_environment_workers=[1@2]", "chaos.kill_engines=[1@1]",
+        "agent.max_turns=3",
         "agent.turn_tokens=8", "agent.max_tokens=96", "algorithm.dynamic_sampling=false", "data.gen_prompts_per_step=0"))
     result = train(cfg)
     assert result["steps_run"] == 2
@@ -379,6 +382,7 @@ def test_episodes_survive_hung_and_failing_environments_and_killed_workers(tiny,
         assert m["agent/token_mismatch"] == 0 and 0 < m["parity/tokens"] < m["agent/sampled_tokens"]
     assert sum(m["agent/episodes_timeout"] for m in steps) > 0 and sum(m["agent/episodes_env_error"] for m in steps) > 0
     assert steps[0]["agent/restarted"] == 0 and steps[1]["agent/restarted"] > 0  # worker 1 killed at step 2
+    assert result["engine_restarts"] == 1 and steps[0]["faults/engine_restarts"] == 1
 
 
 def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
