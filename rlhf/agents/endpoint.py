@@ -84,6 +84,7 @@ class ChatEndpoint:
         self.window_s, self.model = window_s, model
         self.token = secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
+        self.by_key: dict[int, Session] = {}  # the same sessions by episode
         self.lock = threading.Lock()
         self.requests: queue.Queue = queue.Queue()
         self.counts = {"requests": 0}
@@ -113,16 +114,15 @@ class ChatEndpoint:
         """A new session for episode `key` (its data row): its base URL (`.../sessions/<id>/v1`)."""
         sid = secrets.token_hex(8)
         with self.lock:
-            self.sessions[sid] = Session(key, row, self.limits)
+            self.sessions[sid] = self.by_key[key] = Session(key, row, self.limits)
         return f"{self.url}/sessions/{sid}/v1"
 
     def episodes(self, keys_rows: Sequence[tuple[int, Any]], prompt_of: Callable[[Any], Sequence[int]]) -> list[Episode]:
         """Each session's episode, in `keys_rows` order; a session that never asked anything gets an empty
         episode from the row's prompt (`prompt_of`), ended as env_error by the caller if it has no status."""
-        by_key = {s.key: s for s in self.sessions.values()}
         out = []
         for key, row in keys_rows:
-            s = by_key.get(key)
+            s = self.by_key.get(key)
             if s is None or s.episode is None:
                 out.append(Episode(key, row, tuple(prompt_of(row)), self.limits))
             else:
@@ -130,7 +130,7 @@ class ChatEndpoint:
         return out
 
     def session_of(self, key: int) -> Session | None:
-        return next((s for s in self.sessions.values() if s.key == key), None)
+        return self.by_key.get(key)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -296,22 +296,12 @@ def _by_stop(batch: list[dict]) -> list[tuple[tuple[str, ...], list[dict]]]:
 
 def load_function(spec: str) -> Callable:
     """The agent function `module:fn` (`agent.function`), refused with what to change."""
-    import importlib
-
+    from rlhf.agents.environment import import_named
     from rlhf.errors import ConfigError
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"give 'module:function', e.g. 'rlhf.agents.chat_agent:retry', not {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ConfigError(f"module {module_name!r} does not import ({type(e).__name__}: {e}); is it installed or on "
-                          "PYTHONPATH?") from e
-    fn = getattr(module, attr, None)
+    fn = import_named(spec, "function", "rlhf.agents.chat_agent:retry")
     if not callable(fn):
-        raise ConfigError(f"{module_name} has no function {attr!r} (an agent function is fn(row, base_url, api_key) "
-                          "-> reward)")
+        raise ConfigError(f"{spec} is not callable (an agent function is fn(row, base_url, api_key) -> reward)")
     return fn
 
 

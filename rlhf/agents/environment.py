@@ -70,22 +70,32 @@ def check_observation(obs: Any, env: Any) -> Observation:
     return obs
 
 
-def load_environment(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:
-    """A factory of fresh environments from `module:Class` and keyword arguments: importable, a class with
-    `reset` and `step` and a `stop` sequence, and made once here so that bad arguments fail now (before any
-    actor starts), with what to change. The messages name what to change in the spec and its arguments; the run's
-    validation reports them under `agent.environment`."""
+def import_named(spec: str, kind: str, example: str) -> Any:
+    """The object `module:name` names (an environment class, an agent function), or a ConfigError saying what to
+    change: the spec's form, a module that does not import, a name it does not have."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"give 'module:Class', e.g. 'rlhf.agents.calculator:Calculator', not {spec!r}")
+        raise ConfigError(f"give 'module:{kind}', e.g. '{example}', not {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise ConfigError(f"module {module_name!r} does not import "
                           f"({type(e).__name__}: {e}); is it installed or on PYTHONPATH?") from e
-    cls = getattr(module, attr, None)
-    if cls is None or not inspect.isclass(cls):
-        raise ConfigError(f"{module_name} has no class {attr!r}")
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{module_name} has no {kind.lower()} {attr!r}")
+    return obj
+
+
+def load_environment(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:
+    """A factory of fresh environments from `module:Class` and keyword arguments: importable, a class with
+    `reset` and `step` and a `stop` sequence, and made once here so that bad arguments fail now (before any
+    actor starts), with what to change. The messages name what to change in the spec and its arguments; the run's
+    validation reports them under `agent.environment`."""
+    cls = import_named(spec, "Class", "rlhf.agents.calculator:Calculator")
+    module_name, _, attr = spec.partition(":")
+    if not inspect.isclass(cls):
+        raise ConfigError(f"{module_name} has no class {attr!r} (it is a {type(cls).__name__})")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(f"{attr} has no {' or '.join(missing)} method "
