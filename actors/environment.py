@@ -11,6 +11,7 @@ and its episodes in that call come back `lost` (the runner begins them again fro
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 from actors.remote import RoleHandle, call_each
@@ -44,9 +45,9 @@ class EnvironmentWorker:
     def step(self, keys: Sequence[int], texts: Sequence[str]) -> list[Outcome]:
         return self.envs.step(keys, texts)
 
-    def close(self) -> None:
-        """Drop every environment (the episodes of a batch are over)."""
-        self.envs.close()
+    def close(self, keys: Sequence[int] | None = None) -> None:
+        """Drop the environments of `keys` (their episodes are over; None: every one)."""
+        self.envs.close(keys)
 
 
 class EnvironmentPool:
@@ -59,6 +60,7 @@ class EnvironmentPool:
         self.workers, self.start_worker, self.stop = workers, start_worker, tuple(stop)
         self.timeout_s, self.log, self.inject = timeout_s, log, inject
         self.replaced = 0  # workers started again after they died or hung
+        self.lock = threading.Lock()  # two threads' batches at once (StaleSync's producer, an evaluation)
 
     def reset(self, keys: Sequence[int], rows: Sequence[Any]) -> list[Outcome]:
         return self._fan_out("reset", keys, rows)
@@ -66,29 +68,39 @@ class EnvironmentPool:
     def step(self, keys: Sequence[int], texts: Sequence[str]) -> list[Outcome]:
         return self._fan_out("step", keys, texts)
 
-    def close(self) -> None:
-        call_each([(w, "close", (), {}) for w in self.workers], timeout_s=self.timeout_s + CALL_MARGIN_S)
+    def close(self, keys: Sequence[int] | None = None) -> None:
+        """Drop the environments of `keys` on their workers (None: every environment of every worker). A worker
+        that fails here is left to the next batch's calls, which replace it."""
+        n = len(self.workers)
+        mine = [None if keys is None else [k for k in keys if k % n == w] for w in range(n)]
+        call_each([(h, "close", (m,), {}) for h, m in zip(list(self.workers), mine) if m is None or m],
+                  timeout_s=self.timeout_s + CALL_MARGIN_S)
 
     def _fan_out(self, method: str, keys: Sequence[int], items: Sequence[Any]) -> list[Outcome]:
-        n = len(self.workers)
+        workers = list(self.workers)  # the handles called (another thread may replace one meanwhile)
+        n = len(workers)
         mine = [[i for i, k in enumerate(keys) if k % n == w] for w in range(n)]
         busy = [w for w in range(n) if mine[w]]
-        calls = [(self.workers[w], method, ([keys[i] for i in mine[w]], [items[i] for i in mine[w]]), {})
+        calls = [(workers[w], method, ([keys[i] for i in mine[w]], [items[i] for i in mine[w]]), {})
                  for w in busy]
         replies = call_each(calls, timeout_s=self.timeout_s + CALL_MARGIN_S,
                             on_submit=lambda: self.inject(f"env_{method}"))
         out: list[Outcome] = [Outcome("lost")] * len(keys)
         for w, reply in zip(busy, replies):
             if isinstance(reply, Exception):
-                self._replace(w, reply)
+                self._replace(w, workers[w], reply)
                 continue  # its episodes stay `lost`
             for i, o in zip(mine[w], reply):
                 out[i] = o
         return out
 
-    def _replace(self, w: int, error: Exception) -> None:
-        """Worker w died, hung or failed a call: its environments are gone; a new worker takes its slot."""
-        self.log(f"environment worker {w}: {error}; starting a new one, its episodes begin again")
-        self.workers[w].kill(hung=True)
-        self.workers[w] = self.start_worker(w)
-        self.replaced += 1
+    def _replace(self, w: int, failed: RoleHandle, error: Exception) -> None:
+        """Worker w (the handle `failed`) died, hung or failed a call: its environments are gone; a new worker takes
+        its slot, once, whichever thread's calls found it first."""
+        with self.lock:
+            if self.workers[w] is not failed:  # already replaced for another thread's batch
+                return
+            self.log(f"environment worker {w}: {error}; starting a new one, its episodes begin again")
+            failed.kill(hung=True)
+            self.workers[w] = self.start_worker(w)
+            self.replaced += 1

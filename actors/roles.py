@@ -40,6 +40,7 @@ class Roles:
     environments: list[RoleHandle] = field(default_factory=list)  # agent runs' environment workers
     start_environment: Optional[Callable[[int], RoleHandle]] = None  # worker i on its placement slot
     environment_timeout_s: float = 10.0  # agent.step_timeout_s
+    environment_pools: dict = field(default_factory=dict, repr=False)  # `environment_pool`'s, by stop strings
     # set by `start` (a Roles built by hand has no engines to replace)
     start_engine: Optional[Callable[..., RoleHandle]] = None  # engine k on its placement slot
     sync_layout: Any = None
@@ -157,11 +158,15 @@ class Roles:
 
     def environment_pool(self, stop, log=print):
         """The environment workers as the episode runner's `Environments` (a dead or hung worker is replaced on
-        its slot and its episodes begun again: `actors.environment.EnvironmentPool`)."""
+        its slot and its episodes begun again: `actors.environment.EnvironmentPool`); one pool for every caller
+        (StaleSync's producer and an evaluation at once replace a dead worker once)."""
         from actors.environment import EnvironmentPool
 
-        return EnvironmentPool(self.environments, self._restart_environment, stop, self.environment_timeout_s, log,
-                               self.inject)
+        stop = tuple(stop)
+        if stop not in self.environment_pools:
+            self.environment_pools[stop] = EnvironmentPool(self.environments, self._restart_environment, stop,
+                                                           self.environment_timeout_s, log, self.inject)
+        return self.environment_pools[stop]
 
     def _restart_environment(self, i: int) -> RoleHandle:
         h = self.start_environment(i)

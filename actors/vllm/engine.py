@@ -17,7 +17,8 @@ from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm.platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, freeze_heap,
                                   held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
-from actors.vllm.stepwise import ray_cancelled, sampled_logprobs as _sampled_logprobs, step_groups
+from actors.vllm.stepwise import (first_token_at as _first_token_at, ray_cancelled,
+                                  sampled_logprobs as _sampled_logprobs, step_groups)
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RolloutConfig
 
@@ -52,14 +53,6 @@ class Completion:
     first_token_at: float = 0.0  # wall-clock time its first token came out (engines built with log_stats; else 0)
 
 
-def _first_token_at(req) -> float:
-    """When the request's first token came out, wall clock (its arrival and vLLM's first-token latency, both taken
-    by the frontend); 0 where vLLM kept no timings (`disable_log_stats`)."""
-    m = getattr(req, "metrics", None)
-    latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-    return m.arrival_time + latency if latency else 0.0
-
-
 def _per_prompt(value, count: int, name: str, each) -> list:
     """One value per prompt: `value` itself where it is a sequence of `count`, else `each(i)` for prompt i (a call's
     int or None). A sequence of another length is refused, naming the argument."""
@@ -84,9 +77,10 @@ class VLLMEngine:
         two decode steps, installs, and lets it continue on the new weights, every token recording the
         version that produced it. The engine core then runs in this process, so that no step runs while
         the generation is paused. `capture_routes`: every completion carries the experts the engine chose for
-        each of its tokens (`Completion.routes`, for routing replay); prefix caching is then off, since a
-        cached token is never routed again. `stale_shm`: shared-memory prefixes of the engine this one replaces
-        (killed, so its workers never unlinked their segments): removed once this engine is up. `log_stats`:
+        each of its tokens (`Completion.routes`, for routing replay), a prefix served from the cache with the
+        routes that computed it (`actors.vllm.route_capture`). `stale_shm`: shared-memory prefixes of the
+        engine this one replaces (killed, so its workers never unlinked their segments): removed once this engine
+        is up. `log_stats`:
         vLLM keeps per-request timings, and each completion says when its first token came out (`first_token_at`:
         benchmarks/agent_bench.py's latency from an observation to the next sampled token)."""
         prepare_platform(device_type, cfg, cpu_cores, own_process, force_in_process=interruptible)
@@ -112,7 +106,6 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs" if cfg.temperature not in (0.0, 1.0) else None,
             max_num_seqs=cfg.max_num_seqs or None,
             disable_log_stats=not log_stats,
-            enable_prefix_caching=False if capture_routes else None,
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * 2**30) if device_type is DeviceType.cpu else None,
         )
         if cfg.block_size is not None:
@@ -491,7 +484,8 @@ class VLLMEngine:
             self._prefix_cache_current()
             for done in step_groups(self, prompts, params, n, ray_cancelled()):
                 yield [Completion(i, tuple(tokens), tuple(logp), finish, min(versions, default=self.weight_version),
-                                  tuple(versions)) for i, _, samples in done for tokens, logp, versions, finish in samples]
+                                  tuple(versions))
+                       for i, _, samples in done for tokens, logp, versions, finish, *_ in samples]
 
     def _prefix_cache_current(self) -> None:
         """Before a generation: drop prefix-cache blocks computed with earlier weights. vLLM's weight reload
@@ -532,6 +526,7 @@ class VLLMEngine:
         groups = {i: (rid, samples) for done in step_groups(self, prompts, params, n) for i, rid, samples in done}
         routes = self._take_routes([groups[i][0] for i in range(len(prompts))], keep_routes)
         return [Completion(i, tuple(tokens), tuple(logp), finish or "length", min(versions, default=self.weight_version),
-                           tuple(versions), routes_of(routes, groups[i][0], k, len(prompts[i]) + len(tokens) - 1))
+                           tuple(versions), routes_of(routes, groups[i][0], k, len(prompts[i]) + len(tokens) - 1),
+                           cached_tokens=cached, first_token_at=first_at)
                 for i in range(len(prompts))
-                for k, (tokens, logp, versions, finish) in enumerate(groups[i][1])]
+                for k, (tokens, logp, versions, finish, cached, first_at) in enumerate(groups[i][1])]

@@ -16,10 +16,15 @@ needs model runner V2), so this module does it from our worker extension, with t
   prefill and continuous batching need nothing more; a preempted request recomputed from scratch
   yields the same positions again, and the later rows win (they made the KV its next tokens read).
 
-Prefix caching must be off (`enable_prefix_caching=False`): tokens served from the cache run no forward,
-so their routes are never seen (vLLM keys its capture by KV slot for this; n > 1 samples of one prompt
-would hit it). `set_route_capture` refuses to start otherwise. Data parallelism is refused too: with
-DP + EP vLLM gathers every DP rank's tokens before routing, so rows no longer match this rank's batch.
+Tokens served from the prefix cache run no forward, so a request's cached prefix has no rows of its own.
+Its routes are those of the forward that computed the cached KV blocks (the same tokens at the same
+positions under the same weights: the engine drops its prefix cache with old weights), so each captured row
+is also kept by its KV slot (block id x block size + offset, from the runner's block table, as vLLM keys its
+own capture), and a request whose first forward starts past position 0 takes positions 0..p0-1 from the
+slots its block table names, read at that forward, while the request holds those blocks. A slot never
+captured (a block computed while capture was off) leaves the positions missing, and `take` refuses them.
+Data parallelism is refused: with DP + EP vLLM gathers every DP rank's tokens before routing, so rows no
+longer match this rank's batch.
 
 Only the worker of rank 0 records: every TP (or EP) rank routes the same full batch to the same ids.
 Ids are stored as uint8 when the model has at most 256 experts (every Qwen3 / DeepSeek MoE), else
@@ -57,6 +62,10 @@ class RouteCapture:
         self._step: list[torch.Tensor | None] = [None] * len(layers)  # this forward's ids, per MoE layer
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request code, position, ids) rows
         self._codes: dict[str, int] = {}  # vLLM request id -> code in the chunks
+        self._started: set[int] = set()  # codes whose first forward was seen (a cached prefix taken from slots)
+        # every captured row by KV slot (grown as slots appear), and whether the slot holds a captured row
+        self._slot_ids = np.zeros((0, len(layers), self.top_k), self.np_dtype)
+        self._slot_set = np.zeros(0, bool)
         model.register_forward_hook(self._commit, with_kwargs=True)
         self.enabled = False
 
@@ -66,6 +75,7 @@ class RouteCapture:
         self.enabled = on
         if not on:
             self._clear()
+            self._slot_set[:] = False  # blocks computed from now on are not captured
 
     def _recorder(self, j: int):
         def record(topk_ids: torch.Tensor) -> None:
@@ -87,12 +97,33 @@ class RouteCapture:
             positions = positions[0]
         codes = np.fromiter((self._codes.setdefault(r, len(self._codes))
                              for r in self.runner.input_batch.req_ids[:num_reqs]), np.int64, num_reqs)
-        self._chunks.append((np.repeat(codes, np.diff(starts)),
-                             positions[:n].cpu().numpy().astype(np.int64),
-                             torch.stack([s[:n] for s in step], dim=1).cpu().numpy()))
+        rows_of = np.repeat(np.arange(num_reqs), np.diff(starts))
+        pos = positions[:n].cpu().numpy().astype(np.int64)
+        ids = torch.stack([s[:n] for s in step], dim=1).cpu().numpy()
+        table = self.runner.input_batch.block_table[0]
+        blocks, size = table.get_numpy_array(), table.block_size
+        slots = blocks[rows_of, pos // size].astype(np.int64) * size + pos % size
+        if len(slots) and slots.max() >= len(self._slot_set):
+            grow = max(int(slots.max()) + 1, 2 * len(self._slot_set))
+            self._slot_ids = np.concatenate([self._slot_ids, np.zeros((grow - len(self._slot_ids),
+                                                                       *self._slot_ids.shape[1:]), self.np_dtype)])
+            self._slot_set = np.concatenate([self._slot_set, np.zeros(grow - len(self._slot_set), bool)])
+        self._slot_ids[slots], self._slot_set[slots] = ids, True  # first: a request of this forward may read them
+        for i in range(num_reqs):  # a request's first forward past position 0: its cached prefix, from the slots
+            if codes[i] in self._started or starts[i] == starts[i + 1]:
+                continue
+            self._started.add(int(codes[i]))
+            p0 = int(pos[starts[i]])
+            if p0 > 0:
+                prefix = np.arange(p0)
+                slots = blocks[i, prefix // size].astype(np.int64) * size + prefix % size
+                have = slots < len(self._slot_set)
+                have[have] = self._slot_set[slots[have]]
+                self._chunks.append((np.full(int(have.sum()), codes[i]), prefix[have], self._slot_ids[slots[have]]))
+        self._chunks.append((codes[rows_of], pos, ids))
 
     def _clear(self) -> None:
-        self._chunks, self._codes = [], {}
+        self._chunks, self._codes, self._started = [], {}, set()
 
     def take(self, request_ids) -> dict:
         """The routes of the requests LLM.generate / add_request was given as `request_ids` (external ids),
@@ -116,7 +147,8 @@ class RouteCapture:
                 rows, pos = rows[last], pos[last]
                 if not np.array_equal(pos, np.arange(len(pos))):
                     raise RuntimeError(f"route capture: request {rid} lacks routes for some positions (has "
-                                       f"{len(pos)} of 0..{int(pos[-1])}); is prefix caching on?")
+                                       f"{len(pos)} of 0..{int(pos[-1])}): a prefix served from KV blocks "
+                                       "computed while capture was off")
                 keys.append(list(key))
                 blocks.append(ids[rows])
         # plain types only: without VLLM_ALLOW_INSECURE_SERIALIZATION an engine core in its own process
@@ -150,12 +182,9 @@ def _external_id(rid: str, wanted: set[str]) -> tuple[str, int] | None:
 
 def set_route_capture(worker, on: bool) -> bool:
     """Start (or stop, dropping what was captured) recording routes in this worker; the hooks are
-    installed on first use. Needs an engine built with `enable_prefix_caching=False` and without data
+    installed on first use. Needs an engine without data
     parallelism (see the module's docstring). Returns whether this worker records (rank 0 only)."""
     if on:
-        if worker.vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("route capture needs the engine built with enable_prefix_caching=False: tokens "
-                             "served from the prefix cache run no forward, so their routes are never seen")
         if worker.vllm_config.parallel_config.data_parallel_size > 1:
             raise ValueError("route capture does not support data parallelism (DP ranks route each other's tokens)")
     if worker.rank != 0:

@@ -20,6 +20,14 @@ def sampled_logprobs(c) -> tuple[float, ...]:
     return tuple(step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids))
 
 
+def first_token_at(req) -> float:
+    """When the request's first token came out, wall clock (its arrival and vLLM's first-token latency, both taken
+    by the frontend); 0 where vLLM kept no timings (`disable_log_stats`)."""
+    m = getattr(req, "metrics", None)
+    latency = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    return m.arrival_time + latency if latency else 0.0
+
+
 def ray_cancelled() -> Callable[[], bool]:
     """In a Ray actor's task: whether the caller cancelled it (`ray.cancel`, a flag the task reads); elsewhere
     never."""
@@ -36,7 +44,8 @@ def ray_cancelled() -> Callable[[], bool]:
 def step_groups(eng, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
                 stop: Callable[[], bool] = lambda: False) -> Iterator[list[tuple[int, str, list]]]:
     """After each decode step that finished some prompts' last samples: those prompts, each as (prompt index,
-    request id, its n samples as [tokens, logprobs, versions, finish reason]). `eng`: the VLLMEngine (its
+    request id, its n samples as [tokens, logprobs, versions, finish reason, cached prompt tokens, when the
+    first token came out (0: no timings kept)]). `eng`: the VLLMEngine (its
     `llm`, weight version, install parking and serving check). `stop()` true between two steps, or the
     consumer closing the generator, aborts every request still running (their samples are never yielded);
     so does an error. The caller takes (or drops) the requests' captured routes afterwards."""
@@ -46,7 +55,8 @@ def step_groups(eng, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
     engine, tag = eng.llm.llm_engine, next(_REQUESTS)
     ids = [f"rlhf-{tag}-{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
-    seqs: dict[str, list] = {rid: [None] * n for rid in ids}  # request -> per sample [tokens, logp, versions, finish]
+    seqs: dict[str, list] = {rid: [None] * n for rid in ids}  # request -> per sample [tokens, logp, versions, finish,
+    # cached, first token at]
     left = {rid: n for rid in ids}  # samples still running
     for rid, p, sp in zip(ids, prompts, params):
         sp.output_kind = RequestOutputKind.DELTA
@@ -63,7 +73,8 @@ def step_groups(eng, prompts: Sequence[Sequence[int]], params: Sequence, n: int,
                 for c in out.outputs:
                     seq = seqs[out.request_id][c.index]
                     if seq is None:
-                        seq = seqs[out.request_id][c.index] = [[], [], [], None]
+                        seq = seqs[out.request_id][c.index] = [[], [], [], None, 0, first_token_at(out)]
+                    seq[4] = out.num_cached_tokens or 0
                     seq[0] += c.token_ids
                     seq[1] += sampled_logprobs(c)
                     seq[2] += [eng.weight_version] * len(c.token_ids)

@@ -65,6 +65,10 @@ class Episode:
     reward: float = 0.0
     error: str = ""
     restarts: int = 0  # times its environment was lost (its worker died) and the episode began again
+    # routing replay: the routes of the last turn's completion (a `rlhf.moe.routing.RouteRef` or the engine's
+    # array), which cover every token it fed (its whole context, the prefix cache's included, and its sampled
+    # tokens but the last): all of the episode but observations after the last turn, which the trainer routes
+    routes: Any = None
 
     def restart(self) -> None:
         """Back to the prompt: the environment holding the episode's state is gone, so its turns are too."""
@@ -72,6 +76,7 @@ class Episode:
                      "observed_at"):
             getattr(self, name).clear()
         self.status, self.reward, self.error, self.restarts = Status.running, 0.0, "", self.restarts + 1
+        self.routes = None
 
     @property
     def turns(self) -> int:
@@ -94,7 +99,7 @@ class Episode:
         return min(self.limits.turn_tokens, self.limits.max_tokens - len(self.prompt_ids) - len(self.ids))
 
     def sampled(self, sent: Sequence[int], token_ids: Sequence[int], logp: Sequence[float],
-                versions: int | Sequence[int], cached: int = 0, first_token_at: float = 0.0) -> None:
+                versions: int | Sequence[int], cached: int = 0, first_token_at: float = 0.0, routes: Any = None) -> None:
         """A model turn: `token_ids` sampled (with their `logp`) from the context `sent`, which must be this
         episode's own context, token for token (TokenMismatch otherwise: the episode ends and is not trained)."""
         if not self.running:
@@ -117,6 +122,7 @@ class Episode:
         self.mask += [1] * len(token_ids)
         self.logp += [float(x) for x in logp]
         self.versions += list(versions)
+        self.routes = routes
 
     def observed(self, token_ids: Sequence[int], at: float = 0.0) -> bool:
         """The environment's answer, appended as it is (never trained on). False, and the episode ended at

@@ -49,7 +49,8 @@ class Environments(Protocol):
 
     def step(self, keys: Sequence[int], texts: Sequence[str]) -> list[Outcome]: ...
 
-    def close(self) -> None: ...
+    def close(self, keys: Sequence[int] | None = None) -> None:
+        """Drop the environments of `keys` (their episodes are over; None: every one)."""
 
 
 def call_within(calls: Sequence[Callable[[], Any]], timeout_s: float, what: str) -> list[Outcome]:
@@ -110,8 +111,11 @@ class LocalEnvironments:
         outs = call_within([lambda e=e, t=t: e.step(t) for e, t in zip(envs, texts)], self.timeout_s, "step")
         return [checked(o, e) for o, e in zip(outs, envs)]
 
-    def close(self) -> None:
-        self.envs.clear()
+    def close(self, keys: Sequence[int] | None = None) -> None:
+        if keys is None:
+            self.envs.clear()
+        for k in keys or ():
+            self.envs.pop(k, None)
 
 
 def checked(outcome: Outcome, env: Any) -> Outcome:
@@ -129,10 +133,13 @@ def turn_seed(seed: int, episode: int, turn: int) -> int:
 
 
 def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], rows: Sequence,
-                 prompts: Sequence[Sequence[int]], tok, limits: Limits, seed: int = 0) -> tuple[list[Episode], Counter]:
+                 prompts: Sequence[Sequence[int]], tok, limits: Limits, seed: int = 0,
+                 key_base: int = 0) -> tuple[list[Episode], Counter]:
     """Episodes for `rows` (one per row, starting from `prompts`, their token ids), run to their ends; `envs` an
-    `Environments` or a factory of environments (then made in this process). Returns the episodes in row order
-    and a Counter of their end statuses (token_mismatch among them) plus `env_steps` and `restarted`."""
+    `Environments` or a factory of environments (then made in this process). Episode i's environment is held
+    under key `key_base + i` (two calls sharing `envs` at once, as StaleSync's producer and an evaluation do,
+    give bases far apart) and dropped at the end. Returns the episodes in row order and a Counter of their end
+    statuses (token_mismatch among them) plus `env_steps` and `restarted`."""
     if isinstance(envs, type) or not hasattr(envs, "step"):  # a class or a function making environments
         envs = LocalEnvironments(envs, limits.step_timeout_s)
     episodes = [Episode(i, r, tuple(p), limits) for i, (r, p) in enumerate(zip(rows, prompts))]
@@ -141,7 +148,7 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
     while True:
         while fresh:  # an environment lost at reset (its worker died) is made again on a fresh worker
             again = []
-            for ep, o in zip(fresh, envs.reset([ep.index for ep in fresh], [ep.row for ep in fresh])):
+            for ep, o in zip(fresh, envs.reset([key_base + ep.index for ep in fresh], [ep.row for ep in fresh])):
                 if o.kind == "lost":
                     _lost(ep, counts)
                     again += [ep] if ep.running else []
@@ -167,7 +174,8 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
             try:
                 ep.sampled(sent, out.token_ids, out.logp,
                            list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version,
-                           getattr(out, "cached_tokens", 0), getattr(out, "first_token_at", 0.0))
+                           getattr(out, "cached_tokens", 0), getattr(out, "first_token_at", 0.0),
+                           getattr(out, "routes", None))
             except TokenMismatch:  # the episode ended as token_mismatch: counted with the statuses
                 continue
             if getattr(out, "finish_reason", "stop") != "stop" and ep.room() <= 0:
@@ -176,10 +184,11 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
             texts[ep.index] = tok.decode(list(out.token_ids), skip_special_tokens=True)
         stepping = [ep for ep in live if ep.running]
         counts["env_steps"] += len(stepping)
-        for ep, o in zip(stepping, envs.step([ep.index for ep in stepping], [texts[ep.index] for ep in stepping])):
+        for ep, o in zip(stepping, envs.step([key_base + ep.index for ep in stepping],
+                                             [texts[ep.index] for ep in stepping])):
             _answer(ep, o, tok, counts)
         fresh = [ep for ep in stepping if ep.running and ep.turns == 0]  # restarted: reset them again
-    envs.close()
+    envs.close([key_base + ep.index for ep in episodes])
     counts.update(ep.status.value for ep in episodes)
     return episodes, counts
 

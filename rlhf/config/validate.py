@@ -444,16 +444,8 @@ def agent_problems(cfg: RunConfig) -> list[Problem]:
                 [{"role": r, "content": "x"} for r in (g.chat_roles or ChatFormat().roles)])
         except (KeyError, IndexError, ValueError) as e:
             p.append(Problem("agent.chat_roles", dict(g.chat_roles), f"each is a template of {{content}} ({e})"))
-    for key, value, on, why in (
-            ("stale_sync.max_staleness", cfg.stale_sync.max_staleness, cfg.stale_sync.max_staleness > 0,
-             "episodes run with the synchronous loop for now; set it to 0"),
-            ("rollout.capture_routes", cfg.rollout.capture_routes, cfg.rollout.capture_routes,
-             "episodes keep no routes yet; set it to false"),
-            ("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling, cfg.algorithm.dynamic_sampling,
-             "episodes are drawn once a step; set it to false"),
-            ("trainer.routing_replay", cfg.trainer.routing_replay.value,
-             cfg.trainer.routing_replay is RoutingReplay.rollout, "episodes keep no engine routes yet; use off or old")):
-        if on:
-            p.append(Problem(key, value, f"is not supported with agent episodes: {why}"))
+    if cfg.algorithm.dynamic_sampling:
+        p.append(Problem("algorithm.dynamic_sampling", True, "is not supported with agent episodes: episodes are "
+                         "drawn once a step; set it to false"))
     return p
 

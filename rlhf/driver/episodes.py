@@ -10,6 +10,7 @@ episodes that count.
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import nullcontext
 
@@ -21,6 +22,11 @@ from rlhf.agents.episode import Episode, Limits, Status
 from rlhf.agents.runner import run_episodes
 from rlhf.schema import RunConfig
 
+# Each call's episodes hold their environments under keys of their own (`run_episodes`' key_base): StaleSync's
+# producer and an evaluation run episodes on the same environment workers at once.
+_CALLS = itertools.count()
+KEYS_PER_CALL = 1 << 32
+
 
 def episodes_of(cfg: RunConfig, roles, generate, tok, rows, prompts, seed: int = 0):
     """Run the episodes of `rows`: with the run's environments, or the agent function against the chat endpoint."""
@@ -29,7 +35,8 @@ def episodes_of(cfg: RunConfig, roles, generate, tok, rows, prompts, seed: int =
 
         fmt = ChatFormat(dict(cfg.agent.chat_roles) or ChatFormat().roles, cfg.agent.chat_assistant_prefix)
         return run_agent_function(load_function(cfg.agent.function), generate, tok, rows, limits_of(cfg), fmt, seed)
-    return run_episodes(generate, environments(cfg, roles), rows, prompts, tok, limits_of(cfg), seed=seed)
+    return run_episodes(generate, environments(cfg, roles), rows, prompts, tok, limits_of(cfg), seed=seed,
+                        key_base=next(_CALLS) * KEYS_PER_CALL)
 
 
 def limits_of(cfg: RunConfig) -> Limits:
@@ -47,8 +54,9 @@ def environments(cfg: RunConfig, roles):
     return roles.environment_pool(tuple(make_env().stop))
 
 
-def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullcontext) -> dict:
-    """The step's `rlhf.driver.rollout.Rollout`, as its fields."""
+def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullcontext, route_stages=None) -> dict:
+    """The step's `rlhf.driver.rollout.Rollout`, as its fields. `route_stages` (routing replay): each turn's
+    routes kept in blocks per trainer stage (`actors.roles.Roles.generate`); an episode keeps its last turn's."""
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
     rows = sampler.next(P)
     prompts = [tok.encode(r.prompt).ids[: cfg.data.max_prompt_tokens] for r in rows]
@@ -56,7 +64,7 @@ def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullco
 
     def generate(contexts, max_tokens, stop, seeds, episodes):
         return roles.generate(contexts, n=1, seed=seed, seeds=seeds, engine_of=[e // G for e in episodes],
-                              max_tokens=max_tokens, stop=list(stop))
+                              max_tokens=max_tokens, stop=list(stop), route_stages=route_stages)
 
     with turn():
         t0 = time.time()
@@ -76,11 +84,12 @@ def collect_episodes(cfg: RunConfig, roles, sampler, tok, step: int, turn=nullco
 
 def completion(e: Episode, prompt_index: int) -> Completion:
     """The episode as the batch takes a sample: everything after the prompt, with its loss mask (all zeros where
-    it is not trained), behaviour logprobs and per-token weight versions (observations: -1)."""
+    it is not trained), behaviour logprobs, per-token weight versions (observations: -1) and its last turn's
+    routes (None: no turn was sampled; the trainer routes such a sample itself)."""
     sampled = [v for v, m in zip(e.versions, e.mask) if m]
     mask = tuple(e.mask) if e.trained else (0,) * len(e.mask)
     return Completion(prompt_index, tuple(e.ids), tuple(e.logp), e.status.value, min(sampled, default=-1),
-                      token_versions=tuple(e.versions), loss_mask=mask)
+                      token_versions=tuple(e.versions), loss_mask=mask, routes=e.routes)
 
 
 def agent_metrics(eps: list[Episode], counts) -> dict[str, float]:
@@ -98,6 +107,20 @@ def agent_metrics(eps: list[Episode], counts) -> dict[str, float]:
                 "agent/success": sum(e.reward > 0 for e in eps if e.trained) / n,
                 "agent/tool_call_rate": len(called) / n,
                 "agent/success_given_call": sum(e.reward > 0 for e in called) / max(len(called), 1)}
+
+
+# agent/* metrics that count (summed over batches); the others are shares and means (averaged)
+SUMMED = ("agent/token_mismatch", "agent/restarted", "agent/env_steps", "agent/sampled_tokens",
+          "agent/observation_tokens")
+
+
+def merge_agent_metrics(batches: list[dict]) -> dict[str, float]:
+    """The agent/* metrics of a step that trains on the episodes of several batches (StaleSync: a batch's
+    metrics ride with its first group): counts summed, shares and means averaged over the batches."""
+    if len(batches) <= 1:
+        return dict(batches[0]) if batches else {}
+    keys = {k for m in batches for k in m}
+    return {k: sum(m.get(k, 0) for m in batches) / (1 if k in SUMMED else len(batches)) for k in sorted(keys)}
 
 
 def run_greedy_episodes(cfg: RunConfig, roles, tok, rows, prompts) -> float:

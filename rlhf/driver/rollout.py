@@ -51,7 +51,7 @@ def collect(cfg: RunConfig, roles, sampler, tok, step: int, route_stages=None, t
     if cfg.agent.enabled:
         from rlhf.driver.episodes import collect_episodes
 
-        return Rollout(**collect_episodes(cfg, roles, sampler, tok, step, turn))
+        return Rollout(**collect_episodes(cfg, roles, sampler, tok, step, turn, route_stages))
     P, G = cfg.data.prompts_per_step, cfg.algorithm.group_size
     over = max(cfg.data.gen_prompts_per_step, P) / P  # draws generate this many prompts per group still missing
     stream = cfg.rollout.stream_groups and route_stages is None

@@ -301,7 +301,7 @@ class Run:
                                               m.num_experts_per_tok, T)
         per_rank = [{"routes": fetch[c.dp, c.pp]} for c in map(lay.coords, range(lay.world_size))]
         sizes = [f.nbytes for f in fetch.values()]
-        stored = sum(r.nbytes(L, m.num_experts_per_tok) for r in refs)
+        stored = sum(r.nbytes(L, m.num_experts_per_tok) for r in refs if r is not None)
         return per_rank, {"route/bytes_sent": sum(sizes), "route/bytes_per_rank_max": max(sizes),
                           "route/bytes_stored": stored}
 

@@ -49,6 +49,7 @@ from rlhf.algorithms.staleness import importance_stats, may_start, staleness_sta
 from rlhf.checkpoint import load_driver_state
 from rlhf.data.prompts import PromptRow
 from rlhf.data.versioned_queue import QueuedGroup
+from rlhf.driver.episodes import merge_agent_metrics
 from rlhf.driver.rollout import Rollout, collect
 from rlhf.driver.turns import DeviceTurns
 from rlhf.parity import Parity, logprob_parity
@@ -221,8 +222,9 @@ class Producer:
 
 
 # A queued sample, JSON-able (in DistQueue and in a checkpoint's queue): its named fields. A checkpoint written
-# before they were named holds a list of them in this order, the routes missing where it predates them.
-SAMPLE_FIELDS = ("token_ids", "logp", "finish_reason", "weight_version", "token_versions", "routes")
+# before they were named holds a list of them in this order, the later ones missing where it predates them.
+# loss_mask: an episode's (1 sampled, 0 observation; `rlhf.driver.episodes`), empty for a single completion.
+SAMPLE_FIELDS = ("token_ids", "logp", "finish_reason", "weight_version", "token_versions", "routes", "loss_mask")
 
 
 def sample_fields(c: dict | list) -> dict:
@@ -237,14 +239,15 @@ def to_groups(ro: Rollout, batch: int, first_seq: int) -> list[QueuedGroup]:
     G = len(ro.completions) // len(ro.rows)
     stats = {"drawn": ro.groups_drawn, "generate_seconds": ro.generate_seconds,
              "reward_seconds": ro.reward_seconds, "tokens": ro.generated_tokens, "stopped": ro.groups_stopped,
-             "verdicts": ro.verdicts}
+             "verdicts": ro.verdicts, "agent": ro.agent}
     out = []
     for i, row in enumerate(ro.rows):
         comps = ro.completions[i * G:(i + 1) * G]
         payload = {"row": [row.prompt, row.answer, row.source], "prompt_ids": list(ro.prompt_ids[i]),
                    "completions": [{"token_ids": list(c.token_ids), "logp": list(c.logp),
                                     "finish_reason": c.finish_reason, "weight_version": c.weight_version,
-                                    "token_versions": list(c.token_versions), "routes": c.routes} for c in comps],
+                                    "token_versions": list(c.token_versions), "routes": c.routes,
+                                    "loss_mask": list(c.loss_mask)} for c in comps],
                    "rewards": ro.rewards_PG[i].tolist(), "scores": ro.scores_PG[i].tolist(),
                    "batch_stats": stats if i == 0 else None}
         if ro.ref_logp is not None:
@@ -304,23 +307,27 @@ def to_rollout(groups: list[QueuedGroup]) -> Rollout:
     rows, prompt_ids, comps = [], [], []
     drawn = gen_s = rew_s = tokens = stopped = 0
     verdicts: Counter = Counter()
+    agent: list[dict] = []  # the agent/* metrics of each batch whose statistics the step takes
     for p, g in enumerate(groups):
         d = g.payload
         rows.append(PromptRow(*d["row"]))
         prompt_ids.append(d["prompt_ids"])
         for c in map(sample_fields, d["completions"]):
             comps.append(Completion(p, tuple(c["token_ids"]), tuple(c["logp"]), c["finish_reason"],
-                                    c["weight_version"], tuple(c["token_versions"]), c["routes"]))
+                                    c["weight_version"], tuple(c["token_versions"]), c["routes"],
+                                    tuple(c["loss_mask"] or ())))
         if d["batch_stats"]:
             s = d["batch_stats"]
             drawn, gen_s = drawn + s["drawn"], gen_s + s["generate_seconds"]
             rew_s, tokens = rew_s + s["reward_seconds"], tokens + s["tokens"]
             stopped += s.get("stopped", 0)  # none in checkpoints written before streamed rollouts
             verdicts.update(s.get("verdicts", {}))
+            agent += [s["agent"]] if s.get("agent") else []
     ref = [g.payload.get("ref_logp") for g in groups]  # none in checkpoints written before it
     return Rollout(rows, prompt_ids, comps, torch.tensor([g.payload["rewards"] for g in groups]),
                    torch.tensor([g.payload["scores"] for g in groups]), drawn, gen_s, rew_s, tokens, stopped,
-                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, dict(verdicts))
+                   [r for rs in ref for r in rs] if all(r is not None for r in ref) else None, dict(verdicts),
+                   merge_agent_metrics(agent))
 
 
 def take_batch(run, queue: DistQueue, producer: Producer, step: int) -> list[QueuedGroup]:
@@ -424,7 +431,8 @@ class StaleSync:
         parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT, batch.mask_BT * fresh.to(batch.mask_BT.dtype))
         extra = staleness_stats(step, versions) | importance_stats(
             learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, self.cfg.algorithm.tis_cap)
-        extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions)) > 1 for c in ro.completions),
+        # an episode's observation tokens carry version -1: not a version of its own
+        extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions) - {-1}) > 1 for c in ro.completions),
                   "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,
                   "stale/queue_groups": self.queue.size(), "stale/samples_dropped": self.samples_dropped,
                   "stale/producer_wait_seconds": self.producer.take_wait_seconds()}

@@ -94,7 +94,7 @@ def route_metrics(run: Run, ro: Rollout, differs_BT) -> dict:
     if differs_BT is None or run.route_stages is None:
         return {}
     m = run.cfg.model
-    s = RouteStats.counted(differs_BT, [c.routes.positions for c in ro.completions],
+    s = RouteStats.counted(differs_BT, [c.routes.positions if c.routes is not None else 0 for c in ro.completions],
                            m.num_hidden_layers - m.first_k_dense_layers)
     return {"route/mismatch": s.mismatch, "route/tokens_any_mismatch": s.tokens_any_mismatch,
             "route/token_layers": s.token_layers}

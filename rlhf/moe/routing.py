@@ -173,7 +173,7 @@ class RouteFetch:
     stage) share one."""
 
     rows: tuple[int, ...]
-    refs: tuple[RouteRef, ...]  # per row
+    refs: tuple[RouteRef | None, ...]  # per row (None: a sample without routes, an episode with no turn: -1)
     stage: int
     layers: tuple[int, ...]  # the stage's MoE layer indices
     num_layers: int  # MoE layers of the model
@@ -182,15 +182,16 @@ class RouteFetch:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes(len(self.layers), self.k) for r in self.refs)
+        return sum(r.nbytes(len(self.layers), self.k) for r in self.refs if r is not None)
 
     def resolve(self, get: Callable[[list[Any]], list[Any]]) -> RouteShare:
         """The rank's `RouteShare`: `get` turns block references into arrays (`ray.get`; each block is read
         once however many rows it holds)."""
-        blocks = list(dict.fromkeys(r.blocks[self.stage] for r in self.refs))
+        blocks = list(dict.fromkeys(r.blocks[self.stage] for r in self.refs if r is not None))
         arrays = dict(zip(blocks, get(blocks))) if blocks else {}
         out = torch.full((len(self.rows), self.T, len(self.layers), self.k), -1, dtype=ROUTE_DTYPE)
         view = out.numpy()  # the arrays come read-only (shared memory): copied once, into place
         for i, r in enumerate(self.refs):
-            view[i, :r.positions] = arrays[r.blocks[self.stage]][r.start:r.start + r.positions]
+            if r is not None:
+                view[i, :r.positions] = arrays[r.blocks[self.stage]][r.start:r.start + r.positions]
         return RouteShare(torch.tensor(self.rows, dtype=torch.long), self.layers, out, self.num_layers)

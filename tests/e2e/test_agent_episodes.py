@@ -54,8 +54,13 @@ def engine(tmp_path_factory):
     e.close()
 
 
-def test_episodes_on_an_engine_continue_from_their_own_tokens(engine):
+@pytest.mark.parametrize("stepwise", [False, True], ids=["whole", "stepwise"])
+def test_episodes_on_an_engine_continue_from_their_own_tokens(engine, stepwise, monkeypatch):
+    """`stepwise`: the engine stepped by the actor one decode step at a time, as StaleSync's partial rollouts
+    run it: the same continuity, cached prefix and first-token times."""
     e, tok = engine
+    monkeypatch.setattr(e, "interruptible", stepwise)
+    assert e.llm.reset_prefix_cache()  # nothing cached by an earlier test's episodes (the same seeds and prompts)
     rows = [PromptRow(f"{i}+{i}=", str(2 * i), f"t:{i}") for i in range(4)]
     prompts = [tok.encode(r.prompt).ids for r in rows]
     calls = []

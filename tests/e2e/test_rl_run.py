@@ -385,6 +385,57 @@ def test_episodes_survive_hung_and_failing_environments_and_killed_workers(tiny,
     assert result["engine_restarts"] == 1 and steps[0]["faults/engine_restarts"] == 1
 
 
+def test_episodes_replay_their_routes_with_the_prefix_cache_on(tiny, ray_session, tmp_path):
+    """Routing replay for episodes (`trainer.routing_replay=rollout`): each episode trains with the routes of its
+    last turn, which cover its whole context, the prefix cache's share included (routes kept by KV slot:
+    `actors.vllm.route_capture`). A long feedback string makes later turns' contexts span whole 32-token
+    blocks, so the cache serves them; fp32 engines and trainer: the replayed routes are the trainer's own
+    choices but at near-ties, and its logprobs the engines'."""
+    d, _ = tiny
+    cfg = load_run_config(REPO / "configs/tiny_cpu_retry.yaml", _overrides(
+        d, tmp_path, "steps=2", "eval_every=100", "checkpoint.export_hf=false", "trainer.routing_replay=rollout",
+        "agent.environment_args={feedback: ' ? ? ? ? ? ? ? ? ? ? ? ? ? ? ? ? ? ? ? ?'}", "agent.max_tokens=120",
+        "agent.turn_tokens=8", "rollout.block_size=32", "data.prompts_per_step=16"))
+    result = train(cfg)
+    assert result["steps_run"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert max(m["agent/prefix_cache_hit_rate"] for m in steps) > 0  # later turns read cached blocks
+    for m in steps:
+        assert m["agent/token_mismatch"] == 0 and m["route/token_layers"] > 0
+        assert m["route/tokens_any_mismatch"] < 0.02  # near-ties only (fp32 on both sides)
+        assert m["parity/p99_abs_diff"] < 1e-3 and m["parity/tokens"] == m["agent/sampled_tokens"]
+
+
+def test_episodes_under_stalesync_with_partial_rollouts(tiny, ray_session, tmp_path):
+    """Episodes under StaleSync (staleness 1, partial rollouts, the engines awake beside the trainer): the
+    producer runs the next batch's episodes while the trainer updates, the episodes travel through DistQueue
+    with their loss masks, an evaluation's episodes share the environment workers with the producer's, and
+    weights installed between (or within) an episode's turns tag the tokens after them with the new version.
+    Every episode has a status, no turn drifted from its episode's tokens, no sample is older than the bound,
+    and on the samples of the weights each step starts from, trainer and engines agree."""
+    d, _ = tiny
+    out = tmp_path / "run"
+    cfg = load_run_config(REPO / "configs/tiny_cpu_retry.yaml", _overrides(
+        d, out, "steps=4", "eval_every=2", "checkpoint.export_hf=false", "stale_sync.max_staleness=1",
+        "stale_sync.partial_rollout=true", "algorithm.tis_cap=2", "agent.workers=2", "data.prompts_per_step=16",
+        "rollout.max_num_seqs=16"))
+    result = train(cfg)
+    assert result["steps_run"] == 4 and result["syncs"] == 4
+    assert result["staleness_max"] == 1 and result["samples_dropped"] == 0
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
+        assert m["agent/token_mismatch"] == 0 and m["agent/episodes_env_error"] == m["agent/episodes_timeout"] == 0
+        assert m["agent/observation_tokens"] > 0 and m["parity/tokens"] <= m["agent/sampled_tokens"]
+    assert min(m["stale/fresh_fraction"] for m in steps) < 1  # episodes of older weights were trained on
+    # a sync landed between (or within) the turns of episodes in flight: their later tokens are the new version's
+    # (231 of 256 episodes at two of the four steps in the first run here)
+    assert sum(m["stale/mixed_version_samples"] for m in steps) > 0
+    assert steps[0]["parity/tokens"] > 0  # the first batch is all of the first weights: checked token by token
+    assert result["parity_max_abs_diff"] < 2e-2 and result["parity_p99_abs_diff_max"] < 1e-3
+    assert len(result["heldout_accuracy_history"]) == 3  # evaluations ran beside the producer's episodes
+
+
 def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
     """configs/tiny_cpu_tool.yaml for two steps on a briefly warmed tool policy (`make-tiny --task tool`, 50 SFT
     steps): episodes call `<calc>`, read the result and answer, on real engines and an environment worker; the

@@ -114,3 +114,31 @@ def test_routes_kept_apart_in_blocks_per_trainer_stage(engine):
         n = whole[row].routes.shape[0]
         assert (share.routes_RTLk[i, :n, 0].numpy() == whole[row].routes[:, 2]).all()
         assert (share.routes_RTLk[i, n:] == -1).all()
+
+
+def test_routes_of_a_prefix_served_from_the_cache_are_those_that_computed_it(tmp_path):
+    """Prefix caching on with route capture (multi-turn episodes continue from their cached turns): a request
+    whose prefix the cache serves runs no forward for it, and its routes there are the ones captured when those
+    KV blocks were computed (by KV slot): every route is the engine's choice, and a turn continuing from an
+    earlier one's context has exactly the earlier call's routes on the shared positions."""
+    import numpy as np
+
+    from actors.vllm.engine import VLLMEngine
+
+    m = _model(1)
+    save_tokenizer(build_tokenizer(m.config.vocab_size), tmp_path)
+    save_pretrained(m, tmp_path)
+    e = VLLMEngine(str(tmp_path), RolloutConfig(max_new_tokens=8, cpu_kv_cache_gib=0.25, block_size=32),
+                   max_model_len=128, capture_routes=True, whole_prefills=True)
+    try:
+        first = [[1] + [(7 * i) % 25 + 3 for i in range(40)]]
+        a = e.generate(first, n=3, seed=0)  # three samples of one prompt: the later ones may read its blocks
+        check_routes(m, first, a)
+        second = [first[0] + list(a[0].token_ids) + [5, 9, 11]]  # the next turn: its context, then new tokens
+        b = e.generate(second, n=1, seed=1)
+        assert b[0].cached_tokens >= 32  # whole blocks of the first call served from the cache
+        check_routes(m, second, b)
+        shared = len(first[0]) + len(a[0].token_ids) - 1
+        assert np.array_equal(b[0].routes[:shared], a[0].routes[:shared])
+    finally:
+        e.close()

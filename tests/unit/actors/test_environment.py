@@ -72,3 +72,37 @@ def test_the_pool_spreads_episodes_and_replaces_a_dead_worker(monkeypatch):
     assert phases == ["env_reset"]
     assert [o.kind for o in pool.reset([1, 3], rows[1::2])] == ["ok", "ok"]  # begun again on the new worker
     assert [o.observation.done for o in pool.step([0, 1, 2, 3], ["3", "3", "4", "3"])] == [True, True, False, True]
+
+
+def test_a_worker_found_dead_by_two_batches_at_once_is_replaced_once(monkeypatch):
+    """StaleSync's producer and an evaluation share the pool: both find worker 1 dead in calls sent to the same
+    handle; one new worker takes the slot, and each batch's episodes there come back `lost`. Closing a batch
+    drops only its own keys, on the workers that hold them."""
+    import actors.environment as env_mod
+
+    closed = []
+
+    def call_each(calls, timeout_s, on_submit=None):
+        if on_submit:
+            on_submit()
+        out = []
+        for h, m, args, _ in calls:
+            if m == "close":
+                closed.append((h.rank, args[0]))
+            out.append(RoleError("environment", h.rank, m, "failed: the actor died", died=True) if h.dead
+                       else getattr(h.worker, m)(*args))
+        return out
+
+    monkeypatch.setattr(env_mod, "call_each", call_each)
+    started = []
+    workers = [Handle(0), Handle(1, dead=True)]
+    dead = workers[1]
+    pool = EnvironmentPool(workers, lambda i: started.append(i) or Handle(i), (), 5.0, log=lambda m: None)
+    err = RoleError("environment", 1, "step", "failed: the actor died", died=True)
+    pool._replace(1, dead, err)
+    pool._replace(1, dead, err)  # the other thread's calls went to the same dead handle
+    assert started == [1] and pool.replaced == 1 and pool.workers[1] is not dead
+    rows = [PromptRow("1+2=", "3", f"t:{k}") for k in range(2)]
+    pool.reset([10, 11], rows)
+    pool.close([10, 11])
+    assert closed == [(0, [10]), (1, [11])]

@@ -186,8 +186,8 @@ class Losing:
             outs[list(keys).index(0)] = Outcome("lost")
         return outs
 
-    def close(self):
-        self.local.close()
+    def close(self, keys=None):
+        self.local.close(keys)
 
 
 def test_an_episode_whose_environment_is_lost_begins_again_from_its_prompt():
@@ -234,3 +234,73 @@ def test_the_flaky_environment_hangs_and_raises_as_asked():
     assert counts["timeout"] + counts["env_error"] + counts["done"] == 10
     with pytest.raises(ValueError, match="probabilities"):
         Chaos("rlhf.agents.retry:Retry", hang=0.8, fail=0.5)
+
+
+def test_two_batches_share_one_set_of_environments_under_keys_of_their_own():
+    """StaleSync's producer and an evaluation run episodes on the same environment workers at once: each call's
+    environments live under its own keys (`key_base`), and its end drops only them."""
+    import threading
+
+    from rlhf.agents.runner import LocalEnvironments
+
+    shared = LocalEnvironments(Calculator, 5.0)
+    seen = []
+
+    class Recording:
+        stop = shared.stop
+
+        def reset(self, keys, rows):
+            seen.append(("reset", tuple(keys)))
+            return shared.reset(keys, rows)
+
+        def step(self, keys, texts):
+            seen.append(("step", tuple(keys)))
+            time.sleep(0.05)  # the other batch's calls come in meanwhile
+            return shared.step(keys, texts)
+
+        def close(self, keys=None):
+            seen.append(("close", tuple(keys)))
+            shared.close(keys)
+
+    rows = _rows(["579", "12"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    script = {0: ["<calc>123+456</calc>", "579"], 1: ["<calc>5+7</calc>", "12"]}
+    out = {}
+
+    def batch(base):
+        out[base] = run_episodes(Scripted(script), Recording(), rows, prompts, TOK,
+                                 Limits(max_turns=3, max_tokens=64, turn_tokens=32), key_base=base)
+
+    started = [threading.Thread(target=batch, args=(base,)) for base in (0, 1 << 32)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(30)
+    for base in (0, 1 << 32):
+        eps, counts = out[base]
+        assert [e.reward for e in eps] == [1.0, 1.0] and counts["done"] == 2  # neither saw the other's answers
+        assert {k for _, keys in seen for k in keys} >= {base, base + 1}
+    assert all(set(keys) <= {0, 1} or set(keys) <= {1 << 32, (1 << 32) + 1} for _, keys in seen)
+    assert sorted(keys for what, keys in seen if what == "close") == [(0, 1), (1 << 32, (1 << 32) + 1)]
+    assert shared.envs == {}  # each dropped its own, nothing more or less
+
+
+def test_weights_installed_between_turns_tag_the_later_tokens_with_their_version():
+    """StaleSync: a sync between two turns of an episode in flight; the later turn's tokens carry the new version,
+    observations -1, and the sample the trainer takes says the oldest weights that sampled any of it."""
+    from rlhf.driver.episodes import completion
+
+    rows = _rows(["579"])
+    prompts = [TOK.encode(r.prompt).ids for r in rows]
+    gen = Scripted({0: ["<calc>123+456</calc>", "579"]})
+
+    def generate(contexts, max_tokens, stop, seeds, episodes):
+        outs = gen(contexts, max_tokens, stop, seeds, episodes)
+        version = 3 + len(gen.calls)  # one install between the turns
+        return [types.SimpleNamespace(**(vars(o) | {"weight_version": version})) for o in outs]
+
+    (e,), _ = run_episodes(generate, Calculator, rows, prompts, TOK, Limits(max_turns=3, max_tokens=64,
+                                                                            turn_tokens=32))
+    assert e.status is Status.done and e.versions == [4] * 20 + [-1] * 20 + [5] * 3
+    c = completion(e, 0)
+    assert c.weight_version == 4 and c.token_versions == tuple(e.versions) and c.loss_mask == tuple(e.mask)

@@ -27,13 +27,25 @@ def test_each_problem_of_an_episode_run_is_named(tmp_path):
               "algorithm.tis_cap=2", "algorithm.dynamic_sampling=true", "rollout.capture_routes=true",
               "rollout.block_size=48")
     msg = str(e.value)
+    assert "stale_sync.max_staleness = 1: is not supported" not in msg  # episodes run under StaleSync
+    assert "rollout.capture_routes" not in msg  # and keep their routes
     for line in ("agent.max_turns = 0: must be >= 1",
                  "agent.max_tokens = 8000: exceeds the model's context",
                  "agent.step_timeout_s = 0", "fix agent.environment_args",
-                 "stale_sync.max_staleness = 1: is not supported with agent episodes",
-                 "rollout.capture_routes = True: is not supported", "algorithm.dynamic_sampling = True: is not",
+                 "algorithm.dynamic_sampling = True: is not",
                  "rollout.block_size = 48: must be a multiple of 32"):
         assert line in msg, (line, msg)
+
+
+def test_an_episode_run_takes_routing_replay(tmp_path):
+    cfg = _load(tmp_path, ENV, "trainer.routing_replay=rollout", "agent.max_tokens=96")
+    assert cfg.agent.enabled and cfg.captures_routes
+
+
+def test_an_episode_run_takes_stalesync_and_partial_rollouts(tmp_path):
+    cfg = _load(tmp_path, ENV, "stale_sync.max_staleness=1", "stale_sync.partial_rollout=true", "algorithm.tis_cap=2",
+                "rollout.sleep_level=0", "agent.max_tokens=96")
+    assert cfg.agent.enabled and cfg.stale_sync.max_staleness == 1 and cfg.stale_sync.partial_rollout
 
 
 @pytest.mark.parametrize("spec,why", [("retry", "give 'module:Class'"), ("no_such_pkg:Env", "does not import"),

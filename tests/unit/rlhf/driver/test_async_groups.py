@@ -48,6 +48,30 @@ def test_a_batch_split_over_two_steps_counts_its_statistics_once():
     assert to_rollout(coded[:1]).verdicts == {"passed": 2, "error": 4} and to_rollout(coded[1:]).verdicts == {}
 
 
+def test_episodes_keep_their_loss_masks_and_agent_metrics_through_the_queue():
+    """Multi-turn episodes under StaleSync: each sample's loss mask (observations 0) comes back as the producer
+    made it, an old single completion's as none; a batch's agent/* metrics ride with its first group, and a
+    step that takes two batches' first groups sums their counts and averages their shares."""
+    from rlhf.driver.episodes import merge_agent_metrics
+
+    ro = _rollout()
+    masks = [(1, 0) if i % 2 else (1, 1) for i in range(len(ro.completions))]
+    agent = {"agent/episodes_done": 0.5, "agent/token_mismatch": 0, "agent/sampled_tokens": 9,
+             "agent/prefix_cache_hit_rate": 0.25}
+    ro = replace(ro, completions=[replace(c, loss_mask=m) for c, m in zip(ro.completions, masks)], agent=agent)
+    groups = [QueuedGroup.from_json(json.loads(json.dumps(g.to_json()))) for g in to_groups(ro, batch=2, first_seq=0)]
+    back = to_rollout(groups)
+    assert [c.loss_mask for c in back.completions] == masks and back.agent == agent
+    assert to_rollout(groups[1:]).agent == {}  # the batch's metrics counted once, with its first group
+    assert [c.loss_mask for c in to_rollout(to_groups(_rollout(), batch=1, first_seq=0)).completions] == [()] * 6
+    other = to_groups(replace(ro, agent=agent | {"agent/episodes_done": 1.0, "agent/sampled_tokens": 3,
+                                                 "agent/token_mismatch": 1}), batch=3, first_seq=3)
+    both = to_rollout(groups[:1] + other[:1]).agent
+    assert both == {"agent/episodes_done": 0.75, "agent/token_mismatch": 1, "agent/sampled_tokens": 12,
+                    "agent/prefix_cache_hit_rate": 0.25}
+    assert merge_agent_metrics([]) == {}
+
+
 def test_route_references_round_trip_through_a_checkpoint(tmp_path):
     """Routing replay: each sample's RouteRef travels with it through the queue; a checkpoint writes the
     queue as JSON with block numbers, the blocks themselves handed to `save` (a Ray task in the run, so they
