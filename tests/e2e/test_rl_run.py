@@ -462,6 +462,34 @@ def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
         assert m["agent/observation_tokens"] > 0  # the calculator answered calls
 
 
+def test_the_code_task_with_feedback_runs_as_shipped(ray_session, tmp_path):
+    """configs/tiny_cpu_code_feedback.yaml for two steps on a briefly warmed code policy (`make-tiny --task code`,
+    30 SFT steps): each turn a program run in the sandbox of an environment worker, a failing one answered with
+    what it printed and tried again; every episode has a status, no turn drifted, parity over exactly the
+    sampled tokens, the sandbox's answers read as observations."""
+    import dataclasses
+
+    from rlhf.config import load_model_config
+    from rlhf.tiny import TinySpec, make_tiny
+
+    d = tmp_path / "code"
+    make_tiny(d, load_model_config(REPO / "configs/model/qwen3_moe_tiny.yaml"),
+              dataclasses.replace(TinySpec(), task="code", max_sft_steps=30, eval_every=30, n_heldout=32,
+                                  target_accuracy=1.0, min_accuracy=0.0), log=lambda m: None)
+    cfg = load_run_config(REPO / "configs/tiny_cpu_code_feedback.yaml", _overrides(
+        d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "data.prompts_per_step=8",
+        "algorithm.group_size=8", "trainer.mini_batch_size=64"))
+    result = train(cfg)
+    assert result["steps_run"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    for m in steps:
+        assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
+        assert m["agent/token_mismatch"] == 0 and m["agent/episodes_timeout"] == 0
+        assert 0 < m["parity/tokens"] <= m["agent/sampled_tokens"] and m["parity/p99_abs_diff"] < 1e-3
+        assert m["agent/env_steps"] >= 64 and m["agent/observation_tokens"] > 0  # failing programs answered
+    assert 0 <= result["heldout_accuracy_end"] <= 1
+
+
 def test_an_agent_program_on_the_chat_endpoint_trains_in_the_loop(tiny, ray_session, tmp_path):
     """`agent.function`: an agent program speaking the OpenAI chat API (`rlhf.agents.chat_agent:retry`, plain HTTP)
     is the episode: its sessions' tokens are what the trainer scores (parity over exactly the sampled tokens),

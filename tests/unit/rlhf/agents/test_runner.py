@@ -297,10 +297,14 @@ def test_weights_installed_between_turns_tag_the_later_tokens_with_their_version
     def generate(contexts, max_tokens, stop, seeds, episodes):
         outs = gen(contexts, max_tokens, stop, seeds, episodes)
         version = 3 + len(gen.calls)  # one install between the turns
-        return [types.SimpleNamespace(**(vars(o) | {"weight_version": version})) for o in outs]
+        return [types.SimpleNamespace(**(vars(o) | {"weight_version": version, "routes": f"turn {len(gen.calls)}"}))
+                for o in outs]
 
     (e,), _ = run_episodes(generate, Calculator, rows, prompts, TOK, Limits(max_turns=3, max_tokens=64,
                                                                             turn_tokens=32))
     assert e.status is Status.done and e.versions == [4] * 20 + [-1] * 20 + [5] * 3
     c = completion(e, 0)
     assert c.weight_version == 4 and c.token_versions == tuple(e.versions) and c.loss_mask == tuple(e.mask)
+    assert e.routes == c.routes == "turn 2"  # the last turn's routes: they cover its whole context
+    e.restart()
+    assert e.routes is None and completion(e, 0).routes is None
