@@ -23,6 +23,7 @@ from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
 from rlhf.host_memory import small_onednn_cache, trim_heap
+from rlhf.model.head import release_scratch
 from rlhf.moe.routing import RouteFetch, RouteShare
 from rlhf.schema import AlgorithmConfig, DeviceType, ModelConfig, TrainerConfig
 from rlhf.parallel.comm import backend_for, init_process_group
@@ -164,6 +165,7 @@ class TrainerWorker(PolicyWorker):
                 norms.append(out["grad_norm"])
         self.trainer.release_grads()  # before the sync queued behind this update: its memory goes back now
         if offload_next and self.device_type is DeviceType.cpu:
+            release_scratch()  # the head's reused buffers go back with the update's other memory
             trim_heap()
         n = max(record.tokens, 1.0)
         stats = UpdateStats(loss=sum(losses) / len(losses), grad_norm=max(norms), optimizer_steps=len(losses),

@@ -6,6 +6,7 @@
     python -m benchmarks.update_profile --compute-dtype bfloat16 --profile-memory        # ops by memory allocated
     python -m benchmarks.update_profile --ranks 1 --threads 2 --samples-per-rank 64      # one rank of two threads
     python -m benchmarks.update_profile --memory-categories --micro-batch-tokens 1024     # tensors at the peak, by kind
+    python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --by-shape      # ops by operand shapes
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
 steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
            profile_memory: bool = False, memory_categories: bool = False,
-           expert_rows_multiple: int | None = None, threads: int = 1) -> dict:
+           expert_rows_multiple: int | None = None, threads: int = 1, by_shape: bool = False) -> dict:
     import torch
 
     if expert_rows_multiple is not None:  # the bf16 experts' row padding on cpu (1: none)
@@ -81,8 +82,9 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=profile_memory,
                                     record_shapes=True) as prof:
             step()
-        table = prof.key_averages().table(sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
-                                          row_limit=25 if profile_memory else 15)
+        table = prof.key_averages(group_by_input_shape=by_shape).table(
+            sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
+            row_limit=25 if profile_memory or by_shape else 15)
         shapes = matmul_shapes(prof)
     return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
             "tensor_peak_gb": categories, "matmul_shapes": shapes}
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
     parser.add_argument("--memory-categories", action="store_true",
                         help="instead of the ops table: the profiled step's tensors at their peak by kind (tensor_peak_gb)")
+    parser.add_argument("--by-shape", action="store_true", help="the ops table by operand shapes")
     parser.add_argument("--expert-rows-multiple", type=int, default=None,
                         help="pad each expert's rows to a multiple of this under bf16 on cpu (1: no padding; default: "
                              "rlhf.model.qwen3_moe.EXPERT_ROWS_MULTIPLE)")
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
                         args.profile_memory, args.memory_categories, args.expert_rows_multiple, args.threads,
-                        timeout_s=1800)
+                        args.by_shape, timeout_s=1800)
     print(results[0]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,

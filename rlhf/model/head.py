@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.model.layers import autocast_dtype, cast_once, grad_into
+from rlhf.model.layers import Scratch, autocast_dtype, cast_once, grad_into, transposed_once
 
 CHUNK_TOKENS = 1024  # tokens per matmul
 # an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
@@ -28,6 +28,14 @@ KEEP_LOGITS_BYTES = 256 * 2**20
 # tokens per elementwise pass over the vocabulary: [64, V] fp32 (8 MB at V = 32,000) stays in the last-level
 # cache, where a whole chunk's [1024, V] (128 MB) goes to memory and back for each of its five passes
 ROWS = 64
+# logits chunks and weight-gradient products, reused across chunks, micro-batches and steps (`Scratch`);
+# `release_scratch` (the trainer's offload) hands them back
+SCRATCH = Scratch()
+GRAD_ROWS = 2048  # rows of the weight's gradient added into its fp32 buffer at a time (a bf16 block made fp32 in cache)
+
+
+def release_scratch() -> None:
+    SCRATCH.release()
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -35,12 +43,14 @@ class _HeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature: float, chunk: int, compute: torch.dtype):
         N = hidden_NH.shape[0]
         w_VH = cast_once(weight_VH, compute)  # the matmuls' operands in `compute`; logits, softmax and sums in fp32
+        w_HV = transposed_once(weight_VH, compute)  # the forward's operand, contiguous where cast once per step
         logp_N = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         keep = any(ctx.needs_input_grad[:2]) and N * w_VH.shape[0] * w_VH.element_size() <= KEEP_LOGITS_BYTES
         ctx.logits = [] if keep else None
         for a in range(0, N, chunk):
-            zc_CV = hidden_NH[a:a + chunk].to(compute) @ w_VH.T
+            h_CH = hidden_NH[a:a + chunk].to(compute)
+            zc_CV = torch.mm(h_CH, w_HV, out=SCRATCH.take((h_CH.shape[0], w_HV.shape[1]), compute, h_CH.device))
             if keep:  # the backward's dL/dz overwrites them in place: the same values it would recompute
                 ctx.logits.append(zc_CV)
             for r in range(0, zc_CV.shape[0], ROWS):
@@ -52,6 +62,8 @@ class _HeadLogprobs(torch.autograd.Function):
                 lse_N[i:i + n] = lse_R
                 logp_N[i:i + n] = z_RV.gather(1, targets_N[i:i + n, None]).squeeze(1) - lse_R
                 ent_N[i:i + n] = lse_R - torch.exp(z_RV - lse_R[:, None]).mul_(z_RV).sum(-1)
+            if not keep:
+                SCRATCH.give(zc_CV)
         ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
         ctx.param = weight_VH if weight_VH.is_leaf else None  # (a gathered ZeRO-3 weight is not a leaf)
         ctx.weight_dtype = weight_VH.dtype
@@ -75,8 +87,9 @@ class _HeadLogprobs(torch.autograd.Function):
             h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
             if kept is not None:  # the forward's logits; each row block is overwritten by its dL/dz
                 zc_CV, kept[j] = kept[j], None
-            else:
-                zc_CV = h_CH @ w_VH.T  # recomputed logits, the same values
+            else:  # recomputed logits, the same values
+                zc_CV = torch.mm(h_CH, w_VH.T, out=SCRATCH.take((h_CH.shape[0], w_VH.shape[0]), w_VH.dtype,
+                                                                 h_CH.device))
             for r in range(0, zc_CV.shape[0], ROWS):
                 i, rows = a + r, slice(r, r + ROWS)
                 # log p = z - lse (the forward's lse: no second logsumexp); a view of zc_CV when it is fp32
@@ -99,11 +112,22 @@ class _HeadLogprobs(torch.autograd.Function):
                 zc_CV[rows] = dz_RV
             if grad_h is not None:
                 grad_h[a:a + chunk] = zc_CV @ w_VH
-            if into is not None:
-                into.add_(zc_CV.T @ h_CH)
-            elif grad_w is not None:
-                grad_w += (zc_CV.T @ h_CH).float()
+            if into is not None or grad_w is not None:
+                g_VH = torch.mm(zc_CV.T, h_CH, out=SCRATCH.take(w_VH.shape, w_VH.dtype, w_VH.device))
+                _add_rows(into if into is not None else grad_w, g_VH)
+                SCRATCH.give(g_VH)
+            SCRATCH.give(zc_CV)
         return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
+
+
+def _add_rows(into: torch.Tensor, g: torch.Tensor) -> None:
+    """into += g, a block of rows at a time where g is narrower than into (bf16 into fp32: a mixed-dtype add_ runs
+    at a third of a cast block by block plus an fp32 add)."""
+    if g.dtype == into.dtype:
+        into.add_(g)
+        return
+    for r in range(0, g.shape[0], GRAD_ROWS):
+        into[r:r + GRAD_ROWS].add_(g[r:r + GRAD_ROWS].to(into.dtype))
 
 
 def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,

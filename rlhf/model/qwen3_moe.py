@@ -29,7 +29,8 @@ from torch import nn
 
 from rlhf.model.head import head_logprobs
 from rlhf.model.experts import grouped_mm_fits, grouped_mm_supported, grouped_swiglu, looped_swiglu
-from rlhf.model.layers import Embedding, RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear
+from rlhf.model.layers import (Embedding, RMSNorm, attention, autocast_dtype, cast_once, full_precision_linear,
+                               residual)
 from rlhf.model.mla import LatentAttention, mla_cos_sin
 from rlhf.moe.routing import Routing, observe, route
 from rlhf.schema import Architecture, Attention as AttentionKind, ModelConfig, RouterScoring
@@ -101,7 +102,8 @@ class Router(nn.Module):
 
     def scores(self, x_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probabilities [S, E], what the top-k ranks: the same probabilities)."""
-        probs_SE = torch.softmax(full_precision_linear(x_SH, self.weight), dim=-1, dtype=torch.float)
+        probs_SE = torch.softmax(full_precision_linear(x_SH.to(self.weight.dtype), self.weight), dim=-1,
+                                 dtype=torch.float)
         return probs_SE, probs_SE
 
     def forward(self, x_SH: torch.Tensor, forced_Sk: torch.Tensor | None = None):
@@ -297,7 +299,7 @@ class Qwen3MoeDecoder(nn.Module):
         """Final-norm hidden states [B, T, H]. `attention_mask_BT` (1 = real token) allows left or right padding;
         `routing` forces, records or compares the MoE layers' expert choices."""
         ctx = self.prepare(input_ids_BT, attention_mask_BT, position_ids_BT, routing)
-        x = self.model.embed_tokens(input_ids_BT)
+        x = residual(self.model.embed_tokens(input_ids_BT))
         for layer in self.model.layers[: self.config.num_hidden_layers]:
             x = layer(x, *ctx)
         return self.model.norm(x)
@@ -320,7 +322,7 @@ class Qwen3MoeDecoder(nn.Module):
             mask = mask[:, None]
             if position_ids_BT is None:
                 position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
-        dtype = next(self.parameters()).dtype
+        dtype = autocast_dtype(dev.type) or next(self.parameters()).dtype  # q and k's dtype
         if cfg.attention is AttentionKind.mla:
             cos, sin = mla_cos_sin(position_ids_BT, cfg, dtype)
         else:

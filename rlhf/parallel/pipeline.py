@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf.model.layers import autocast_off
+from rlhf.model.layers import autocast_dtype, autocast_off, residual
 from rlhf.parallel.comm import LayoutGroups
 
 
@@ -34,9 +34,9 @@ class PipelineRunner:
 
     def _stage_forward(self, mb, x_in):
         m = self.model
-        ctx = m.prepare(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
         with self.compute():
-            x = m.model.embed_tokens(mb.input_ids_BT) if self.first else x_in
+            ctx = m.prepare(mb.input_ids_BT, mb.attention_mask_BT, routing=mb.routing)
+            x = residual(m.model.embed_tokens(mb.input_ids_BT)) if self.first else x_in
             for i in self.stages[self.stage]:
                 x = m.model.layers[i](x, *ctx)
             return m.model.norm(x) if self.last else x  # the last stage's hidden states: `score` applies the head
@@ -44,7 +44,9 @@ class PipelineRunner:
     def _recv(self, mb, src: int) -> torch.Tensor:
         B, T = mb.input_ids_BT.shape
         param = next(self.model.parameters())
-        buf = torch.empty(B, T, self.hidden, dtype=param.dtype, device=param.device)
+        with self.compute():  # the residual stream's dtype: the compute dtype under autocast
+            dtype = autocast_dtype(param.device.type) or param.dtype
+        buf = torch.empty(B, T, self.hidden, dtype=dtype, device=param.device)
         dist.recv(buf, src=src)
         return buf
 

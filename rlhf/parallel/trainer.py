@@ -24,6 +24,7 @@ from rlhf.batch import MicroBatch
 from rlhf.host_memory import trim_heap
 from rlhf.moe.routing import ROUTE_DTYPE, Routing
 from rlhf.schema import ModelConfig, RoutingReplay, TrainerConfig
+from rlhf.model.head import release_scratch
 from rlhf.model.hf_io import load_local_shards
 from rlhf.model.layers import autocast_off, casts_kept
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
@@ -349,6 +350,7 @@ class ParallelTrainer:
             return 0
         self.release_grads()
         if self.device.type == "cpu":
+            release_scratch()  # the head's reused buffers (`rlhf.model.head.SCRATCH`)
             trim_heap()  # the update's freed activations, where glibc holds 64 MiB or more of them
         stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t in list(self.params.values()) + self.optimizer.owned_tensors():

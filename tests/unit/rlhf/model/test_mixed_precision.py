@@ -214,3 +214,68 @@ def test_cast_once_hands_out_one_copy_until_the_scope_closes_or_the_parameter_ch
     assert cast_once(p, torch.bfloat16) is not b
     with casts_kept("cpu", None):  # fp32 compute: no autocast, nothing kept
         assert not torch.is_autocast_enabled("cpu") and cast_once(p, torch.bfloat16) is not cast_once(p, torch.bfloat16)
+
+
+def test_the_residual_stream_is_bf16_under_autocast_and_the_parameters_stay_fp32():
+    """`trainer.compute_dtype=bfloat16`: hidden states are bf16 from the embedding on (norms scale in bf16), as a
+    bf16 model's; without autocast they keep the parameters' dtype; the parameters and their gradients are fp32."""
+    from rlhf.model.layers import RMSNorm, residual
+
+    model = Qwen3MoeForCausalLM(QWEN)
+    model.init_weights(seed=1, std=0.05)
+    ids = torch.randint(3, QWEN.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert model.hidden_states(ids).dtype == torch.float32
+    with torch.autocast(**BF16):
+        h = model.hidden_states(ids)
+        x = torch.randn(4, 8)
+        assert residual(x).dtype == torch.bfloat16 and residual(x.bfloat16()).dtype == torch.bfloat16
+    assert h.dtype == torch.bfloat16 and residual(x) is x
+    h.float().sum().backward()
+    assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+               for p in model.parameters())
+    norm = RMSNorm(8, 1e-6)
+    x16 = x.bfloat16()
+    y = norm(x16)
+    x32 = x16.float()
+    want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()  # weight 1: fp32 norm, rounded
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+def test_scratch_buffers_are_reused_and_released():
+    """The head's large buffers (`rlhf.model.layers.Scratch`): a buffer handed back serves the next request that
+    fits, as a contiguous tensor of the asked shape; at most `keep` are held; `release` drops them."""
+    from rlhf.model.layers import Scratch
+
+    s = Scratch(keep=2)
+    cpu = torch.device("cpu")
+    a = s.take((4, 6), torch.bfloat16, cpu)
+    assert a.shape == (4, 6) and a.is_contiguous()
+    ptr = a.data_ptr()
+    s.give(a)
+    s.give(a)  # twice: held once
+    b = s.take((3, 5), torch.bfloat16, cpu)  # smaller: the same memory
+    assert b.shape == (3, 5) and b.is_contiguous() and b.data_ptr() == ptr
+    assert s.take((3, 5), torch.bfloat16, cpu).data_ptr() != ptr  # in use: a new one
+    assert s.take((4, 6), torch.float32, cpu).dtype == torch.float32  # another dtype never shares
+    s.give(b)
+    held = [s.take((n,), torch.bfloat16, cpu) for n in (20, 30, 40)]  # the first reuses b's 24
+    for t in held:
+        s.give(t)
+    assert sorted(t.numel() for t in s.free) == [30, 40]  # the largest `keep`
+    s.release()
+    assert s.free == []
+
+
+def test_the_weight_transposed_once_per_step():
+    from rlhf.model.layers import casts_kept, transposed_once
+
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    view = transposed_once(p, torch.float32)
+    assert view.shape == (3, 5) and not view.is_contiguous()  # no scope: the transposed view, no copy
+    with casts_kept("cpu", torch.bfloat16):
+        t = transposed_once(p, torch.bfloat16)
+        assert t.is_contiguous() and torch.equal(t, p.detach().bfloat16().T) and not t.requires_grad
+        assert transposed_once(p, torch.bfloat16) is t
+        with torch.no_grad():
+            p.mul_(2)
+        assert transposed_once(p, torch.bfloat16) is not t  # the parameter changed: cast again
