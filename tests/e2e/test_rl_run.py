@@ -436,25 +436,31 @@ def test_episodes_under_stalesync_with_partial_rollouts(tiny, ray_session, tmp_p
     assert len(result["heldout_accuracy_history"]) == 3  # evaluations ran beside the producer's episodes
 
 
-def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
-    """configs/tiny_cpu_tool.yaml for two steps on a briefly warmed tool policy (`make-tiny --task tool`, 50 SFT
-    steps): episodes call `<calc>`, read the result and answer, on real engines and an environment worker; the
-    tool-call rate and success given a call are logged, no turn drifted, parity over exactly the sampled tokens."""
+def _shipped_task_two_steps(tmp_path: Path, task: str, sft_steps: int, config: str) -> tuple[dict, list[dict]]:
+    """A shipped task's config run for two small steps on a policy warmed for `sft_steps` only (`make-tiny --task
+    task`): the run's result and its steps' metrics."""
     import dataclasses
 
     from rlhf.config import load_model_config
     from rlhf.tiny import TinySpec, make_tiny
 
-    d = tmp_path / "tool"
+    d = tmp_path / task
     make_tiny(d, load_model_config(REPO / "configs/model/qwen3_moe_tiny.yaml"),
-              dataclasses.replace(TinySpec(), task="tool", max_sft_steps=50, eval_every=50, n_heldout=32,
+              dataclasses.replace(TinySpec(), task=task, max_sft_steps=sft_steps, eval_every=sft_steps, n_heldout=32,
                                   target_accuracy=1.0, min_accuracy=0.0), log=lambda m: None)
-    cfg = load_run_config(REPO / "configs/tiny_cpu_tool.yaml", _overrides(
+    cfg = load_run_config(REPO / config, _overrides(
         d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "data.prompts_per_step=8",
         "algorithm.group_size=8", "trainer.mini_batch_size=64"))
     result = train(cfg)
     assert result["steps_run"] == 2
-    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    return result, [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+
+
+def test_the_calculator_tool_task_runs_as_shipped(ray_session, tmp_path):
+    """configs/tiny_cpu_tool.yaml for two steps on a briefly warmed tool policy (`make-tiny --task tool`, 50 SFT
+    steps): episodes call `<calc>`, read the result and answer, on real engines and an environment worker; the
+    tool-call rate and success given a call are logged, no turn drifted, parity over exactly the sampled tokens."""
+    steps = _shipped_task_two_steps(tmp_path, "tool", 50, "configs/tiny_cpu_tool.yaml")[1]
     for m in steps:
         assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
         assert m["agent/token_mismatch"] == 0 and m["parity/tokens"] == m["agent/sampled_tokens"]
@@ -467,21 +473,7 @@ def test_the_code_task_with_feedback_runs_as_shipped(ray_session, tmp_path):
     30 SFT steps): each turn a program run in the sandbox of an environment worker, a failing one answered with
     what it printed and tried again; every episode has a status, no turn drifted, parity over exactly the
     sampled tokens, the sandbox's answers read as observations."""
-    import dataclasses
-
-    from rlhf.config import load_model_config
-    from rlhf.tiny import TinySpec, make_tiny
-
-    d = tmp_path / "code"
-    make_tiny(d, load_model_config(REPO / "configs/model/qwen3_moe_tiny.yaml"),
-              dataclasses.replace(TinySpec(), task="code", max_sft_steps=30, eval_every=30, n_heldout=32,
-                                  target_accuracy=1.0, min_accuracy=0.0), log=lambda m: None)
-    cfg = load_run_config(REPO / "configs/tiny_cpu_code_feedback.yaml", _overrides(
-        d, tmp_path, "steps=2", "eval_every=2", "checkpoint.export_hf=false", "data.prompts_per_step=8",
-        "algorithm.group_size=8", "trainer.mini_batch_size=64"))
-    result = train(cfg)
-    assert result["steps_run"] == 2
-    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    result, steps = _shipped_task_two_steps(tmp_path, "code", 30, "configs/tiny_cpu_code_feedback.yaml")
     for m in steps:
         assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
         assert m["agent/token_mismatch"] == 0 and m["agent/episodes_timeout"] == 0
