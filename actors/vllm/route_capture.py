@@ -62,7 +62,7 @@ class RouteCapture:
         self._step: list[torch.Tensor | None] = [None] * len(layers)  # this forward's ids, per MoE layer
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request code, position, ids) rows
         self._codes: dict[str, int] = {}  # vLLM request id -> code in the chunks
-        self._started: set[int] = set()  # codes whose first forward was seen (a cached prefix taken from slots)
+        self._started = np.zeros(0, bool)  # by code: its first forward was seen (a cached prefix taken from slots)
         # every captured row by KV slot (grown as slots appear), and whether the slot holds a captured row
         self._slot_ids = np.zeros((0, len(layers), self.top_k), self.np_dtype)
         self._slot_set = np.zeros(0, bool)
@@ -109,10 +109,11 @@ class RouteCapture:
                                                                        *self._slot_ids.shape[1:]), self.np_dtype)])
             self._slot_set = np.concatenate([self._slot_set, np.zeros(grow - len(self._slot_set), bool)])
         self._slot_ids[slots], self._slot_set[slots] = ids, True  # first: a request of this forward may read them
-        for i in range(num_reqs):  # a request's first forward past position 0: its cached prefix, from the slots
-            if codes[i] in self._started or starts[i] == starts[i + 1]:
-                continue
-            self._started.add(int(codes[i]))
+        if len(self._codes) > len(self._started):
+            self._started = np.concatenate([self._started, np.zeros(len(self._codes) - len(self._started), bool)])
+        first = np.flatnonzero(~self._started[codes] & (np.diff(starts) > 0))  # a decode step has none: no loop
+        self._started[codes[first]] = True
+        for i in first:  # a request's first forward past position 0: its cached prefix, from the slots
             p0 = int(pos[starts[i]])
             if p0 > 0:
                 prefix = np.arange(p0)
@@ -123,7 +124,7 @@ class RouteCapture:
         self._chunks.append((codes[rows_of], pos, ids))
 
     def _clear(self) -> None:
-        self._chunks, self._codes, self._started = [], {}, set()
+        self._chunks, self._codes, self._started = [], {}, np.zeros(0, bool)
 
     def take(self, request_ids) -> dict:
         """The routes of the requests LLM.generate / add_request was given as `request_ids` (external ids),

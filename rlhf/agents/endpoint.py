@@ -202,10 +202,7 @@ class ChatEndpoint:
                 raise Refused(500, item["error"])
             out = item["out"]
             try:
-                s.episode.sampled(context, out.token_ids, out.logp,
-                                  list(out.token_versions) if getattr(out, "token_versions", ()) else
-                                  out.weight_version, getattr(out, "cached_tokens", 0),
-                                  getattr(out, "first_token_at", 0.0), getattr(out, "routes", None))
+                s.episode.sampled_completion(context, out)
             except TokenMismatch as e:  # the episode ended as token_mismatch
                 raise Refused(409, str(e)) from None
             text = self.tok.decode(list(out.token_ids), skip_special_tokens=True)

@@ -124,6 +124,13 @@ class Episode:
         self.versions += list(versions)
         self.routes = routes
 
+    def sampled_completion(self, sent: Sequence[int], out: Any) -> None:
+        """`sampled` from an engine's completion (`actors.vllm.engine.Completion` or its fields): its tokens,
+        logprobs, per-token versions (else its one version), cached prefix, first-token time and routes."""
+        versions = list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version
+        self.sampled(sent, out.token_ids, out.logp, versions, getattr(out, "cached_tokens", 0),
+                     getattr(out, "first_token_at", 0.0), getattr(out, "routes", None))
+
     def observed(self, token_ids: Sequence[int], at: float = 0.0) -> bool:
         """The environment's answer, appended as it is (never trained on). False, and the episode ended at
         max_tokens, where it does not fit in the context with room for one more sampled token."""

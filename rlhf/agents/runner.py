@@ -172,10 +172,7 @@ def run_episodes(generate: Generate, envs: Environments | Callable[[], Any], row
         texts = {}
         for ep, sent, out in zip(live, contexts, outs):
             try:
-                ep.sampled(sent, out.token_ids, out.logp,
-                           list(out.token_versions) if getattr(out, "token_versions", ()) else out.weight_version,
-                           getattr(out, "cached_tokens", 0), getattr(out, "first_token_at", 0.0),
-                           getattr(out, "routes", None))
+                ep.sampled_completion(sent, out)
             except TokenMismatch:  # the episode ended as token_mismatch: counted with the statuses
                 continue
             if getattr(out, "finish_reason", "stop") != "stop" and ep.room() <= 0:

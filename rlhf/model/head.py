@@ -28,7 +28,7 @@ KEEP_LOGITS_BYTES = 256 * 2**20
 # tokens per elementwise pass over the vocabulary: [64, V] fp32 (8 MB at V = 32,000) stays in the last-level
 # cache, where a whole chunk's [1024, V] (128 MB) goes to memory and back for each of its five passes
 ROWS = 64
-# logits chunks and weight-gradient products, reused across chunks, micro-batches and steps (`Scratch`);
+# logits chunks (65 MB in bf16 for [1,024, 32,000]), reused across chunks, micro-batches and steps (`Scratch`);
 # `release_scratch` (the trainer's offload) hands them back
 SCRATCH = Scratch()
 GRAD_ROWS = 2048  # rows of the weight's gradient added into its fp32 buffer at a time (a bf16 block made fp32 in cache)
@@ -112,10 +112,8 @@ class _HeadLogprobs(torch.autograd.Function):
                 zc_CV[rows] = dz_RV
             if grad_h is not None:
                 grad_h[a:a + chunk] = zc_CV @ w_VH
-            if into is not None or grad_w is not None:
-                g_VH = torch.mm(zc_CV.T, h_CH, out=SCRATCH.take(w_VH.shape, w_VH.dtype, w_VH.device))
-                _add_rows(into if into is not None else grad_w, g_VH)
-                SCRATCH.give(g_VH)
+            if into is not None or grad_w is not None:  # (a bf16 [V, H] product is under glibc's mmap threshold)
+                _add_rows(into if into is not None else grad_w, zc_CV.T @ h_CH)
             SCRATCH.give(zc_CV)
         return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 
@@ -129,8 +130,8 @@ def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def transposed_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype).T` laid out contiguously, made once per `casts_kept` scope (no autograd: for a custom backward's
     own use); outside one, the transposed view of the cast, no copy. oneDNN multiplies by a contiguous [in, out]
-    operand faster than by the transposed view of an [out, in] one (the small model's head: 36 against 50 ms a
-    1,024-token chunk in bf16 on one thread)."""
+    operand faster than by the transposed view of an [out, in] one (the small model's head: 39-40 against 50-55 ms
+    a 1,024-token chunk in bf16 on one thread, `python -m benchmarks.cpu_kernels --only head --repeats 40`)."""
     casts = getattr(_kept, "casts", None)
     if casts is None or not t.is_leaf:
         return t.to(dtype).T
@@ -145,17 +146,16 @@ def transposed_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Scratch:
     """Large buffers reused instead of allocated afresh (cpu only): glibc hands every allocation over 32 MiB back
     to the kernel at its free, and the kernel zeroes each page of the next one at first touch, which costs more
-    than the arithmetic that fills it (a [1,024, 32,000] bf16 logits chunk: 91 ms into a fresh tensor, 50 ms into
-    a reused one). `take` returns a contiguous tensor of the shape in a kept buffer large enough, or a new one;
-    `give` hands it back once nothing reads it. At most `keep` buffers are held; `release` drops them all."""
+    than the arithmetic that fills it (a [1,024, 32,000] bf16 logits chunk: 90-168 ms into a fresh tensor, 50-55 ms
+    into a reused one: `python -m benchmarks.cpu_kernels --only head`). `take` returns a contiguous tensor of the
+    shape in a kept buffer large enough, or a new one; `give` hands it back once nothing reads it. At most `keep`
+    buffers are held; `release` drops them all."""
 
     def __init__(self, keep: int = 4):
         self.keep, self.free, self.lock = keep, [], threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if device.type == "cpu":
             with self.lock:
                 fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.numel() >= n]

@@ -26,3 +26,11 @@ def test_expert_padding_part_times_both_and_counts_the_padded_rows(capsys):
         assert out[f"{case}_ms_rows_multiple_1"] > 0 and out[f"{case}_ms_rows_multiple_64"] > 0
     # ~32 rows an expert padded to 64 doubles them; ~256 rows an expert pad by an eighth at most
     assert out["fine64_padded_rows_over_rows"] > 1.5 and out["uniform16_padded_rows_over_rows"] < 1.15
+
+
+def test_head_part_times_fresh_and_reused_buffers(capsys):
+    main(["--only", "head", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("logits_fresh", "logits_reused", "logits_reused_contiguous", "weight_grad_fresh",
+                "weight_grad_reused", "grad_add_mixed", "grad_add_blocks"):
+        assert out[f"head_{key}_ms"] > 0
