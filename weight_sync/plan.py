@@ -20,7 +20,7 @@ from typing import Iterator, NamedTuple
 
 from weight_sync.spec import Box, Piece, RankShards, ShardSpec
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,257 @@
+"""Low-precision formats of rollout weights, and the reference quantizer every copy of them is checked against.
+
+`fp8_block` (`rollout.quantization`, docs/quantized_rollout.md): the layout of DeepSeek-V3's own checkpoints and
+of vLLM's block-FP8 kernels. A weight `[..., N, K]` is cut into 128 x 128 blocks of its last two dims (the
+blocks at the far edges may be partial); each block keeps one fp32 scale, `weight_scale_inv[..., N/128, K/128]`
+(rounded up), the block's largest magnitude over 448 (float8_e4m3fn's largest finite value), and its values
+`float8_e4m3fn(w / scale)`. Dequantized, `w ~ q * scale`. An all-zero block gets the scale of a block whose
+largest magnitude is `TINY` (its values stay 0, so nothing divides by zero).
+
+The maths is per block and per element: quantizing a block-aligned region of a tensor gives exactly the
+values and scales that quantizing the whole tensor gives there (the tests hold the quantizer to that, and
+the owners of a tensor's regions rely on it: each quantizes the blocks it holds).
+
+**On the wire** (`wire_spec`): a sync of quantized weights is planned and moved as bytes. Each tensor of a
+spec becomes its bytes in the form the engines keep (a quantized weight: 1 byte an element; its
+`<name>_scale_inv`: a tensor of its own, 4 bytes a block; any other tensor: 2 bytes an element, bf16), each
+shape's last dim counted in bytes. The planner, the transports and their checksums then run unchanged over
+one dtype (uint8), the plan's byte counts are the wire's, and an owner sends the blocks it quantized from its
+own shard: nobody gathers anything. Every owner's region of a quantized tensor must be whole blocks
+(`BlockSplit` otherwise, naming the tensor and what to change): a block cut between two owners would need
+both to agree on its scale, which this rule avoids rather than negotiates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from weight_sync.spec import Box, Piece, RankShards, ShardSpec
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+BLOCK = 128
+TINY = 1e-12  # a zero block's stand-in for its largest magnitude
+
+
+def blocks(n: int, block: int = BLOCK) -> int:
+    """How many blocks cover `n` elements (the last one partial when `block` does not divide `n`)."""
+    return -(-n // block)
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    """The shape of `weight_scale_inv` for a weight of `shape` (at least 2 dims)."""
+    if len(shape) < 2:
+        raise ValueError(f"block quantization needs a weight of at least 2 dims, not {tuple(shape)}")
+    return tuple(shape[:-2]) + (blocks(shape[-2], block), blocks(shape[-1], block))
+
+
+def _padded(w: torch.Tensor, block: int) -> torch.Tensor:
+    """`w` as fp32 with its last two dims zero-padded to whole blocks (zeros never raise a block's largest
+    magnitude)."""
+    w = w.float()
+    n, k = w.shape[-2:]
+    pn, pk = blocks(n, block) * block - n, blocks(k, block) * block - k
+    return torch.nn.functional.pad(w, (0, pk, 0, pn)) if pn or pk else w
+
+
+@torch.no_grad()
+def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values, scales)`: `w` ([..., N, K], any float dtype) as float8_e4m3fn values of its shape and fp32
+    `weight_scale_inv` of `scale_shape(w.shape)`."""
+    scale_shape(tuple(w.shape), block)  # refuses 1-dim tensors
+    n, k = w.shape[-2:]
+    lead = w.shape[:-2]
+    p = _padded(w, block)
+    nb, kb = p.shape[-2] // block, p.shape[-1] // block
+    tiles = p.reshape(*lead, nb, block, kb, block)
+    scales = tiles.abs().amax(dim=(-3, -1)).clamp_(min=TINY).div_(FP8_MAX)  # [..., nb, kb]
+    q = (tiles / scales.reshape(*lead, nb, 1, kb, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(*lead, nb * block, kb * block)[..., :n, :k]
+    return q.contiguous(), scales.contiguous()
+
+
+@torch.no_grad()
+def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`q * scale` per block, as `dtype` (the weight the engine's kernels compute with)."""
+    n, k = q.shape[-2:]
+    full = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :n, :k]
+    return (q.float() * full).to(dtype)
+
+
+# --- which tensors are quantized: the rule, stated once ---
+
+# The linear layers' weights: attention projections (GQA and MLA), dense MLPs, shared and routed experts.
+# Everything else stays bf16: embeddings, the LM head, norms, routers (`mlp.gate`, its correction bias), MTP's
+# `eh_proj` (none of them is a linear layer vLLM's block-FP8 method serves, or they are too small to pay).
+QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
+SCALE_SUFFIX = "_scale_inv"
+
+
+def is_quantized(param: str, shape: tuple[int, ...]) -> bool:
+    """Whether `rollout.quantization` quantizes this canonical (HF-named) tensor."""
+    parts = param.split(".")
+    return len(shape) == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in QUANTIZED_LINEARS
+
+
+def scale_name(name: str) -> str:
+    """The scale tensor (or buffer) of a quantized weight (or of a buffer of them): `...weight_scale_inv`."""
+    return name + SCALE_SUFFIX
+
+
+class BlockSplit(ValueError):
+    """An owner's region of a quantized tensor is not made of whole blocks."""
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How weights travel and are kept by the engines: `quantization` "none" (every tensor in `dtype`) or
+    "fp8_block" (`is_quantized` tensors as float8_e4m3fn blocks of `block` x `block` with fp32 scales)."""
+
+    quantization: str = "fp8_block"
+    block: int = BLOCK
+    dtype: torch.dtype = torch.bfloat16  # what the tensors that are not quantized travel as
+
+    def __post_init__(self):
+        if self.quantization not in ("none", "fp8_block"):
+            raise ValueError(f"quantization {self.quantization!r}: one of none, fp8_block")
+        if self.block <= 0:
+            raise ValueError(f"block {self.block} must be positive")
+
+    def quantized(self, param: str, shape: tuple[int, ...]) -> bool:
+        return self.quantization != "none" and is_quantized(param, shape)
+
+    @property
+    def plain_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _bytes_box(box: Box, elem: int) -> Box:
+    return Box(box.start[:-1] + (box.start[-1] * elem,), box.size[:-1] + (box.size[-1] * elem,))
+
+
+def _bytes_offset(offset: tuple[int, ...], elem: int) -> tuple[int, ...]:
+    return offset[:-1] + (offset[-1] * elem,)
+
+
+def _bytes_shape(shape: tuple[int, ...], elem: int) -> tuple[int, ...]:
+    return tuple(shape[:-1]) + (shape[-1] * elem,)
+
+
+def _check_blocks(p: Piece, shape: tuple[int, ...], buffer_shape: tuple[int, ...], block: int, spec: ShardSpec,
+                  rank: int) -> None:
+    """`p`'s region is whole blocks of its tensor, placed on the block grid of its buffer, and a partial
+    block at the tensor's edge ends at the buffer's edge (so the buffer's blocks are the tensor's)."""
+    names = ("rows", "columns")
+    for i, d in enumerate((-2, -1)):
+        lo, n = p.box.start[d], p.box.size[d]
+        hi, off = lo + n, p.offset[d]
+        partial = hi % block != 0
+        if lo % block or (partial and hi != shape[d]) or off % block or (partial and off + n != buffer_shape[d]):
+            raise BlockSplit(
+                f"{p.param}: {spec.name} rank {rank} holds {names[i]} [{lo}, {hi}) of {shape[d]}, which cuts its "
+                f"{block} x {block} blocks (rollout.quantization=fp8_block needs every owner's region to be whole "
+                f"blocks, so that the owner alone sets each block's scale). Shard this tensor in multiples of "
+                f"{block} {names[i]} (fewer trainer.tp or zero-3 ranks, or a model whose dimensions are multiples "
+                f"of {block} per shard), or use rollout.quantization=none")
+
+
+def wire_spec(spec: ShardSpec, fmt: WireFormat) -> ShardSpec:
+    """`spec` in bytes on the wire (dtype uint8): every tensor of `spec` in the form the engines keep, plus a
+    scale tensor (and, per buffer of quantized weights, a scale buffer) for each quantized weight. Raises
+    `BlockSplit` when some rank's region of a quantized tensor is not whole blocks, ValueError when a buffer
+    mixes quantized and plain tensors."""
+    shapes = spec.shapes()
+    plain, b = fmt.plain_bytes, fmt.block
+    quant = {name for name, shape in shapes.items() if fmt.quantized(name, shape)}
+    global_shapes = []
+    for name, shape in spec.global_shapes:
+        if name in quant:
+            global_shapes += [(name, tuple(shape)), (scale_name(name), _bytes_shape(scale_shape(shape, b), 4))]
+        else:
+            global_shapes.append((name, _bytes_shape(shape, plain)))
+    ranks = []
+    done: dict[tuple[int, int], tuple] = {}  # replicas share their buffers and pieces: convert those once
+    for r in spec.ranks:
+        key = (id(r.buffers), id(r.pieces))
+        if key not in done:
+            done[key] = _wire_rank(r, spec, shapes, quant, plain, b)
+        buffers, pieces = done[key]
+        ranks.append(RankShards(r.rank, buffers, pieces))
+    return ShardSpec(f"{spec.name} {fmt.quantization}", tuple(global_shapes), tuple(ranks), "uint8")
+
+
+def _wire_rank(r: RankShards, spec: ShardSpec, shapes: dict, quant: set[str], plain: int,
+               b: int) -> tuple[tuple, tuple]:
+    bufs = r.buffer_shapes()
+    kinds: dict[str, set[bool]] = {}
+    for p in r.pieces:
+        kinds.setdefault(p.buffer, set()).add(p.param in quant)
+    mixed = sorted(n for n, k in kinds.items() if len(k) > 1)
+    if mixed:
+        raise ValueError(f"{spec.name} rank {r.rank}: buffer {mixed[0]!r} holds quantized and unquantized tensors; "
+                         f"a buffer must be one or the other")
+    qbufs = {n for n, k in kinds.items() if True in k}
+    buffers = []
+    for name, shape in r.buffers:
+        if name in qbufs:
+            buffers += [(name, tuple(shape)), (scale_name(name), _bytes_shape(scale_shape(shape, b), 4))]
+        else:
+            buffers.append((name, _bytes_shape(shape, plain)))
+    pieces = []
+    for p in r.pieces:
+        if p.param not in quant:
+            pieces.append(Piece(p.param, _bytes_box(p.box, plain), p.buffer, _bytes_offset(p.offset, plain)))
+            continue
+        _check_blocks(p, shapes[p.param], bufs[p.buffer], b, spec, r.rank)
+        pieces.append(p)
+        start = p.box.start[:-2] + tuple(a // b for a in p.box.start[-2:])
+        size = p.box.size[:-2] + tuple(blocks(a + n, b) - a // b for a, n in zip(p.box.start[-2:], p.box.size[-2:]))
+        offset = p.offset[:-2] + tuple(o // b for o in p.offset[-2:])
+        pieces.append(Piece(scale_name(p.param), _bytes_box(Box(start, size), 4), scale_name(p.buffer),
+                            _bytes_offset(offset, 4)))
+    return tuple(buffers), tuple(pieces)
+
+
+def quantized_buffers(shards: RankShards, fmt: WireFormat, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The buffers of a rank that hold quantized weights."""
+    return {p.buffer for p in shards.pieces if fmt.quantized(p.param, shapes[p.param])}
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, its last dim counted in bytes (a view)."""
+    return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@torch.no_grad()
+def owner_wire_buffers(buffers: Mapping[str, torch.Tensor], quantized: set[str],
+                       fmt: WireFormat) -> dict[str, torch.Tensor]:
+    """What an owner sends from: each of its buffers in wire form, as bytes. A buffer of quantized weights is
+    quantized whole (its blocks are its pieces' blocks: `wire_spec` checked that) into its values and a scale
+    buffer; any other is cast to the plain dtype."""
+    out = {}
+    for name, t in buffers.items():
+        if name in quantized:
+            q, s = quantize_fp8_block(t, fmt.block)
+            out[name], out[scale_name(name)] = as_bytes(q), as_bytes(s)
+        else:
+            out[name] = as_bytes(t.to(fmt.dtype).contiguous())
+    return out
+
+
+def typed_buffers(shapes: Mapping[str, tuple[int, ...]], quantized: set[str], fmt: WireFormat) -> dict[str, torch.Tensor]:
+    """A receiver's buffers (zeros) in the engine's dtypes, for `shapes` (the typed spec's buffer shapes):
+    float8 values and fp32 scales for the buffers in `quantized`, the plain dtype for the others. `as_bytes`
+    of each is its wire buffer."""
+    out = {}
+    for name, shape in shapes.items():
+        if name in quantized:
+            out[name] = torch.zeros(shape, dtype=FP8_DTYPE)
+            out[scale_name(name)] = torch.zeros(scale_shape(tuple(shape), fmt.block), dtype=torch.float32)
+        else:
+            out[name] = torch.zeros(shape, dtype=fmt.dtype)
+    return out
