@@ -156,6 +156,10 @@ class AlgorithmConfig:
     max_draws: int = 4  # dynamic sampling: draws a step at most (verl's max_num_gen_batches)
     fail_short_batch: bool = False  # dynamic sampling out of draws: stop the run (verl) instead of training on fewer
     tis_cap: float = 0.0  # truncated importance sampling cap for the rollout/trainer logprob mismatch (0: off)
+    # The rest of the rollout-correction suite (rlhf/algorithms/correction.py, docs/quantized_rollout.md), 0: off.
+    seq_mis_cap: float = 0.0  # sequence-level masked IS: weight prod r_t inside [1/cap, cap], else drop the sequence
+    geo_rs_cap: float = 0.0  # geometric-mean rejection: drop a sequence whose exp(mean log r_t) is outside [1/cap, cap]
+    veto_threshold: float = 0.0  # drop a sequence holding a token with r_t below it (1e-4 is usual)
     overlong_buffer_tokens: int = 0
     overlong_penalty: float = 1.0
 

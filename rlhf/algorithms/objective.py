@@ -10,7 +10,9 @@ one micro-batch. Pure; the trainer role calls `policy_loss`, the driver calls `a
 
 KL to the reference is a loss term (`kl_coef`, k1 or k3) or, with `kl_in_reward`, a per-sequence
 penalty on the reward. Truncated importance sampling (`tis_cap` > 0) reweights tokens by
-min(pi_old / pi_rollout, cap) for the mismatch between the trainer's and the engine's logprobs.
+min(pi_old / pi_rollout, cap) for the mismatch between the trainer's and the engine's logprobs; the rest of
+the rollout-correction suite (sequence-level masked IS, geometric-mean rejection, the token veto:
+`rlhf.algorithms.correction`) multiplies into the same per-token weight.
 
 Legend: P prompts, G samples per prompt, B samples, T tokens.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
+from rlhf.algorithms.correction import correction_weights
 from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, truncated_is_weights
 from rlhf.schema import AlgorithmConfig, Estimator, LossAggregation
 
@@ -70,7 +73,10 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
     if cfg.estimator is Estimator.gspo:
         stats = gspo_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, normaliser)
     else:
-        tis = truncated_is_weights(old_logp, extras["rollout_logp"], cfg.tis_cap) if cfg.tis_cap > 0 else None
+        if cfg.seq_mis_cap > 0 or cfg.geo_rs_cap > 0 or cfg.veto_threshold > 0:
+            tis = correction_weights(cfg, old_logp, extras["rollout_logp"], mask)
+        else:  # token-level TIS alone, as it always was
+            tis = truncated_is_weights(old_logp, extras["rollout_logp"], cfg.tis_cap) if cfg.tis_cap > 0 else None
         stats = ppo_clip_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high,
                               cfg.loss_aggregation, normaliser, tis)
     loss = stats.loss

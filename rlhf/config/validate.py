@@ -174,6 +174,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must split evenly over trainer.dp={t.dp} data-parallel ranks"))
     p += dapo_problems(a)
+    p += correction_problems(a)
     p += agent_problems(cfg)
     if not 0 <= a.clip_eps_low < 1 or a.clip_eps_high < 0:
         p.append(Problem("algorithm.clip_eps_low", a.clip_eps_low, "clip epsilons must satisfy 0 <= low < 1, high >= 0"))
@@ -291,6 +292,27 @@ def stale_sync_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("algorithm.tis_cap", a.tis_cap, "stale_sync.max_staleness > 0 trains on samples of "
                              "older weights: set a cap (2.0 is usual) so each token is weighted by min(pi_proximal / "
                              "pi_behaviour, cap), the decoupled PPO objective, or set stale_sync.max_staleness=0"))
+    return p
+
+
+def correction_problems(a: AlgorithmConfig) -> list[Problem]:
+    """The rollout-correction suite's thresholds (`rlhf.algorithms.correction`): caps above 1 (0: off), the veto
+    a ratio below 1; each weights the PPO-style per-token loss, which GSPO's sequence ratio does not take."""
+    p = []
+    for name in ("seq_mis_cap", "geo_rs_cap"):
+        v = getattr(a, name)
+        if v != 0 and not v > 1:
+            p.append(Problem(f"algorithm.{name}", v, "must be 0 (off) or above 1: sequences whose ratio lies outside "
+                             "[1 / cap, cap] are dropped (2.0 is usual for seq_mis_cap, 1.1 for geo_rs_cap)"))
+    if a.tis_cap < 0:
+        p.append(Problem("algorithm.tis_cap", a.tis_cap, "must be 0 (off) or positive (2.0 is usual)"))
+    if not 0 <= a.veto_threshold < 1:
+        p.append(Problem("algorithm.veto_threshold", a.veto_threshold, "must be 0 (off) or in (0, 1): a sequence "
+                         "with a token whose ratio pi_train / pi_rollout is below it is dropped (1e-4 is usual)"))
+    if a.estimator is Estimator.gspo and (a.seq_mis_cap or a.geo_rs_cap or a.veto_threshold):
+        p.append(Problem("algorithm.estimator", "gspo", "the rollout-correction weights (seq_mis_cap, geo_rs_cap, "
+                         "veto_threshold) weight the per-token PPO loss; GSPO's sequence ratio takes none: use grpo, "
+                         "dapo or reinforce_pp, or turn them off"))
     return p
 
 

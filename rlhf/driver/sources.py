@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import ContextManager, Protocol
 
+from rlhf.algorithms.correction import correction_stats
 from rlhf.driver.rollout import Rollout, collect
 from rlhf.parity import Parity, logprob_parity
 
@@ -91,7 +92,8 @@ class Collect:
 
     def measure(self, run, step: int, ro: Rollout, learned) -> tuple[Parity, dict]:
         b = learned.batch
-        return logprob_parity(learned.old_logp, b.rollout_logp_BT, b.mask_BT), {}
+        return (logprob_parity(learned.old_logp, b.rollout_logp_BT, b.mask_BT),
+                correction_stats(run.cfg.algorithm, learned.old_logp, b.rollout_logp_BT, b.mask_BT))
 
     def stop(self, timeout_s: float, restarting: BaseException | None = None) -> None:
         pass

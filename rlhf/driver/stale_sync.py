@@ -45,6 +45,7 @@ from actors.dist_queue import DistQueue
 from actors.remote import RoleError
 from actors.route_blocks import load_route_blocks, save_route_blocks
 from actors.vllm.engine import Completion
+from rlhf.algorithms.correction import correction_stats
 from rlhf.algorithms.staleness import importance_stats, may_start, staleness_stats
 from rlhf.checkpoint import load_driver_state
 from rlhf.data.prompts import PromptRow
@@ -430,7 +431,8 @@ class StaleSync:
         fresh = torch.tensor([v == step - 1 for v in versions]).unsqueeze(1)
         parity = logprob_parity(learned.old_logp, batch.rollout_logp_BT, batch.mask_BT * fresh.to(batch.mask_BT.dtype))
         extra = staleness_stats(step, versions) | importance_stats(
-            learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, self.cfg.algorithm.tis_cap)
+            learned.old_logp, batch.rollout_logp_BT, batch.mask_BT, self.cfg.algorithm.tis_cap) | correction_stats(
+            self.cfg.algorithm, learned.old_logp, batch.rollout_logp_BT, batch.mask_BT)
         # an episode's observation tokens carry version -1: not a version of its own
         extra |= {"stale/mixed_version_samples": sum(len(set(c.token_versions) - {-1}) > 1 for c in ro.completions),
                   "stale/seq_first": groups[0].seq, "stale/seq_last": groups[-1].seq,

@@ -16,6 +16,7 @@ from actors.remote import RoleError
 from rlhf.driver import loop
 from rlhf.driver.sources import Collect
 from rlhf.parity import Parity
+from rlhf.schema import AlgorithmConfig
 
 
 class FakeSource:
@@ -199,9 +200,13 @@ def test_train_closes_its_source_whatever_happens(monkeypatch):
 
 
 def test_the_synchronous_source_checks_parity_on_every_sample():
-    """Collect's parity covers every response token (StaleSync's only the samples of the step's own weights)."""
+    """Collect's parity covers every response token (StaleSync's only the samples of the step's own weights), and
+    the step logs the train-minus-rollout difference and the correction's shares."""
     old = torch.tensor([[0.0, -1.0, -2.0]])
     batch = SimpleNamespace(rollout_logp_BT=torch.tensor([[0.0, -1.5, -2.0]]), mask_BT=torch.tensor([[0.0, 1.0, 1.0]]))
-    parity, extra = Collect().measure(None, 1, None, SimpleNamespace(old_logp=old, batch=batch))
-    assert extra == {} and parity.max_abs_diff == pytest.approx(0.5)
+    run = SimpleNamespace(cfg=SimpleNamespace(algorithm=AlgorithmConfig(tis_cap=1.5)))
+    parity, extra = Collect().measure(run, 1, None, SimpleNamespace(old_logp=old, batch=batch))
+    assert parity.max_abs_diff == pytest.approx(0.5)
+    assert extra["correction/logp_diff_mean"] == pytest.approx(0.25)
+    assert extra["correction/token_clipped_fraction"] == pytest.approx(0.5)  # exp(0.5) = 1.65 > 1.5
     assert Collect().result() == {"samples_dropped": 0}
