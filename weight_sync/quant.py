@@ -151,6 +151,13 @@ def _check_blocks(p: Piece, shape: tuple[int, ...], buffer_shape: tuple[int, ...
         lo, n = p.box.start[d], p.box.size[d]
         hi, off = lo + n, p.offset[d]
         partial = hi % block != 0
+        if not (lo % block or (partial and hi != shape[d])) and (off % block or (partial and off + n != buffer_shape[d])):
+            raise BlockSplit(
+                f"{p.param}: its {shape[d]} {names[i]} are not whole {block} x {block} blocks, and {spec.name} rank "
+                f"{rank} keeps it in buffer {p.buffer!r} beside another tensor (a fused or stacked layer), where its "
+                f"last block would take the next tensor's {names[i]}: rollout.quantization=fp8_block needs a model "
+                f"whose dimensions are multiples of {block} (configs/model/qwen3_moe_fp8_tiny.yaml is one), or use "
+                f"rollout.quantization=none")
         if lo % block or (partial and hi != shape[d]) or off % block or (partial and off + n != buffer_shape[d]):
             raise BlockSplit(
                 f"{p.param}: {spec.name} rank {rank} holds {names[i]} [{lo}, {hi}) of {shape[d]}, which cuts its "
@@ -255,3 +262,78 @@ def typed_buffers(shapes: Mapping[str, tuple[int, ...]], quantized: set[str], fm
         else:
             out[name] = torch.zeros(shape, dtype=fmt.dtype)
     return out
+
+
+def typed_views(wire: Mapping[str, torch.Tensor], typed: RankShards, fmt: WireFormat,
+                shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A receiver's wire buffers (uint8, of `wire_spec`'s shapes) seen in the engine's dtypes and `typed`'s
+    shapes (views: writing one writes the other): values, `..._scale_inv` scales, plain tensors."""
+    quantized = quantized_buffers(typed, fmt, shapes)
+    out = {}
+    for name, shape in typed.buffers:
+        if name in quantized:
+            out[name] = wire[name].view(FP8_DTYPE).view(shape)
+            out[scale_name(name)] = wire[scale_name(name)].view(torch.float32).view(scale_shape(tuple(shape), fmt.block))
+        else:
+            out[name] = wire[name].view(fmt.dtype).view(shape)
+    return out
+
+
+def nonfinite(typed: Mapping[str, torch.Tensor]) -> str | None:
+    """The first buffer holding a value that is not finite (a float8 NaN, an fp32 / bf16 NaN or inf), or a scale
+    that is not positive; None when every one is sound. What `run_plan`'s own check cannot see in bytes."""
+    for name, t in typed.items():
+        if t.dtype == FP8_DTYPE:
+            if bool((t.view(torch.uint8) & 0x7F).eq(0x7F).any()):  # e4m3fn's only non-finite: S.1111.111
+                return name
+        elif name.endswith(SCALE_SUFFIX):
+            if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+                return name
+        elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def checkpoint_quantization(cfg_layers: int, fmt: WireFormat) -> dict:
+    """The `quantization_config` of an HF config.json for weights in `fmt` (vLLM's `fp8` method with DeepSeek-V3's
+    block layout); the routers, which vLLM's Qwen3-MoE would otherwise quantize, are named as kept."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [fmt.block, fmt.block],
+            "ignored_layers": [f"model.layers.{layer}.mlp.gate" for layer in range(cfg_layers)]}
+
+
+def write_quantized_checkpoint(src_dir, out_dir, fmt: WireFormat) -> str:
+    """An HF model directory holding `src_dir`'s weights in `fmt` (what fp8 engines start from): each quantized
+    tensor by the reference quantizer, with its `_scale_inv`, every other in the plain dtype; config.json gains
+    the quantization; tokenizer and generation files copied. Written to a temporary directory, then renamed."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from rlhf.model.hf_io import iter_safetensors
+
+    src, out = Path(src_dir), Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for name, t in iter_safetensors(src):
+        if fmt.quantized(name, tuple(t.shape)):
+            q, s = quantize_fp8_block(t, fmt.block)
+            tensors[name], tensors[scale_name(name)] = q, s
+        else:
+            tensors[name] = t.to(fmt.dtype).contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = checkpoint_quantization(config["num_hidden_layers"], fmt)
+    config["torch_dtype"] = str(fmt.dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():  # tokenizer, generation config
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model") \
+                and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copyfile(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)

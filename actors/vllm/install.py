@@ -9,7 +9,9 @@ does with them (`reload.layerwise`: meta tensors, a wrapper around every weight 
 the loaders narrowing and copying each HF tensor) only rebuilds those same buffers: about 70 % of an install
 of the tiny model (`benchmarks.install_bench`). This does what remains, per layer, in vLLM's own order:
 
-- a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE):
+- a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE), or for
+  block-FP8 ones (`Fp8LinearMethod`, `Fp8MoEMethod`: values and `weight_scale_inv` staged, the cpu kernels'
+  VNNI prepack done by their processing; rollout.quantization=fp8_block):
   its parameters replaced by copies of the staged buffers, the method's `process_weights_after_loading`
   (the MoE one on its first-load path: kernel built, experts prepacked; `actors.vllm.worker_ext` says why), then the
   processed values copied into the layer's previous parameter storage and those parameters put back
@@ -46,7 +48,12 @@ def _processed_methods() -> tuple[type, ...]:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod
+    known = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod)
+    try:  # block FP8 (rollout.quantization=fp8_block): the linear and MoE methods, whose processing prepacks
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
+    except ImportError:  # another vLLM build: its quantized layers are refused by name
+        return known
+    return known + (Fp8LinearMethod, Fp8MoEMethod)
 
 
 @dataclass
@@ -74,10 +81,11 @@ class DirectInstall:
         self.processed, self.plain, self.attention, self.dtype = processed, plain, attention, dtype
 
     @classmethod
-    def build(cls, model: torch.nn.Module, buffers: Mapping[str, tuple[int, ...]],
-              dtype: torch.dtype) -> "DirectInstall | None":
+    def build(cls, model: torch.nn.Module, buffers: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+              dtypes: Mapping[str, torch.dtype] | None = None) -> "DirectInstall | None":
         """The install for staging buffers of these names and shapes, or None (and why, logged) when some layer
-        is not one this module knows how to process."""
+        is not one this module knows how to process. `dtype`: the model's; `dtypes`: each buffer's where they
+        differ (quantized weights and their scales)."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         known = _processed_methods()
@@ -110,8 +118,9 @@ class DirectInstall:
                 return cls._refuse(f"{module_name} processes its weights after loading")
             for attr, name in names.items():
                 p = own.get(attr)
-                if p is None or tuple(p.shape) != tuple(buffers[name]) or p.dtype != dtype:
-                    return cls._refuse(f"{name}: no {dtype} parameter of shape {tuple(buffers[name])} to copy into")
+                want = (dtypes or {}).get(name, dtype)
+                if p is None or tuple(p.shape) != tuple(buffers[name]) or p.dtype != want:
+                    return cls._refuse(f"{name}: no {want} parameter of shape {tuple(buffers[name])} to copy into")
                 plain.append((p, name))
         attention = [m for m in model.modules() if is_deferred_attention_layer(m)]
         return cls(processed, plain, attention, dtype)

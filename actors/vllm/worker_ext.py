@@ -45,13 +45,20 @@ def _patch_cpu_moe_expert_map() -> None:
     weight 0 (this rank's share of each token; the EP all-reduce after the experts sums the shares).
     Applied in each worker process when this module loads; proven by the EP engine's logprobs equalling
     the trainer's (tests/dist/test_engine_reshard.py). Drop it when vLLM honours the map on CPU."""
-    import inspect
-
     try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     except ImportError:  # another vLLM build: nothing to patch
         return
-    original = CPUUnquantizedExperts.apply
+    # the block-FP8 experts (rollout.quantization=fp8_block) share the flaw: tests/dist/test_engine_fp8.py
+    for name in ("CPUUnquantizedExperts", "CPUExpertsFp8"):
+        if hasattr(cpu_moe, name):
+            _local_expert_ids(getattr(cpu_moe, name))
+
+
+def _local_expert_ids(cls) -> None:
+    import inspect
+
+    original = cls.apply
     if getattr(original, "_rlhf_local_ids", False):
         return
     signature = inspect.signature(original)
@@ -67,7 +74,7 @@ def _patch_cpu_moe_expert_map() -> None:
         return original(*bound.args, **bound.kwargs)
 
     apply._rlhf_local_ids = True
-    CPUUnquantizedExperts.apply = apply
+    cls.apply = apply
 
 
 _patch_cpu_moe_expert_map()
@@ -273,7 +280,7 @@ class WeightUpdateExtension:
         from weight_sync.shm import release_segments
 
         group = getattr(self, "_rlhf_group", None)
-        self._rlhf_group = self._rlhf_sync = self._rlhf_staging = None
+        self._rlhf_group = self._rlhf_sync = self._rlhf_staging = self._rlhf_typed = None
         release_segments()
         forget_regions()
         if group is not None:
@@ -293,7 +300,7 @@ class WeightUpdateExtension:
                 raise ValueError(f"transfer rank {rank} holds nothing in {spec.name}; the engine's layout is "
                                  f"not the one the sync was planned for")
             self._rlhf_sync = cached = (payload, sync, spec, mine)
-            self._rlhf_staging = self._rlhf_direct = None
+            self._rlhf_staging = self._rlhf_direct = self._rlhf_typed = None
         return cached[1:]
 
     def _rlhf_destination(self, spec, mine) -> tuple[dict, bool]:
@@ -304,14 +311,33 @@ class WeightUpdateExtension:
             return self._rlhf_staging, False
         params = dict(self.model_runner.get_model().named_parameters())
         device = next(iter(params.values())).device
-        if device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s) for n, s in mine.buffers):
+        sync = self._rlhf_sync[1]
+        fmt = sync.wire_format()
+        if fmt is None and device.type != "cpu" and all(n in params and tuple(params[n].shape) == tuple(s)
+                                                         for n, s in mine.buffers):
             return {n: params[n].data for n, _ in mine.buffers}, True
         from actors.vllm.install import DirectInstall
         from rlhf.host_memory import AnonymousBuffers
 
         dtype = getattr(torch, spec.dtype)  # zeros: rows no piece covers (vocabulary padding) are installed as zeros
         self._rlhf_staging = AnonymousBuffers(dict(mine.buffers), dtype)  # released after each install / rejection
-        self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
+        self._rlhf_typed = None
+        if fmt is None:
+            self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
+            return self._rlhf_staging, False
+        # quantized: the staged bytes seen as the engine's tensors (fp8 values, fp32 scales, bf16 rest), installed
+        # by the layers' own post-load processing (the fp8 kernels' prepack); vLLM's reload is not taken for them
+        from weight_sync.quant import typed_views
+
+        typed_spec = sync.typed_specs()[1]
+        typed_mine = next(r for r in typed_spec.ranks if r.rank == mine.rank)
+        self._rlhf_typed = typed_views(self._rlhf_staging, typed_mine, fmt, typed_spec.shapes())
+        self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(),
+                                                {n: tuple(t.shape) for n, t in self._rlhf_typed.items()}, fmt.dtype,
+                                                {n: t.dtype for n, t in self._rlhf_typed.items()})
+        if self._rlhf_direct is None:
+            raise RuntimeError(f"rollout.quantization={fmt.quantization}: this engine's layers cannot be installed "
+                               "directly (the warning above says which); quantized syncs have no other path")
         return self._rlhf_staging, False
 
     def rlhf_receive(self, payload: bytes, same_device: list, fault_rank: int = -1, wait_s: float | None = None) -> dict:
@@ -341,6 +367,10 @@ class WeightUpdateExtension:
         except ChecksumMismatch as e:
             log.error("weight sync rejected on worker %d: %s", self.rank, e)
             return rejected(str(e))
+        if stats.nonfinite is None and getattr(self, "_rlhf_typed", None) is not None and not in_place:
+            from weight_sync.quant import nonfinite
+
+            stats.nonfinite = nonfinite(self._rlhf_typed)  # bytes on the wire: checked as the engine's tensors
         if stats.nonfinite is not None:
             return rejected(f"{stats.nonfinite} holds non-finite values")
         return {"ok": True, "in_place": in_place, "rank": rank, "go": go, "discarded": discarded,
@@ -405,7 +435,8 @@ class WeightUpdateExtension:
 
         direct = self._rlhf_direct is not None
         try:
-            n = (self._rlhf_direct(self._rlhf_staging, copied=release_pages) if direct
+            staged = self._rlhf_typed if getattr(self, "_rlhf_typed", None) is not None else self._rlhf_staging
+            n = (self._rlhf_direct(staged, copied=release_pages) if direct
                  else self._rlhf_reload_staged(spec, mine))
         finally:  # installed or not, the staged copy is not needed until the next receive: its memory goes back
             self._rlhf_staging.release()

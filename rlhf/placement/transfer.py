@@ -35,4 +35,4 @@ def sync_layout(cfg: RunConfig, dm: DeviceMap, link_bytes_per_s: float | None = 
     `rlhf plan` and `rlhf train` both build it here."""
     return SyncLayout(cfg.model, trainer_layout(cfg.trainer), inference_layout(cfg.rollout),
                       transfer_topology(cfg, dm, link_bytes_per_s), cfg.trainer.zero_stage, transfer_devices(dm),
-                      engine_dtype=cfg.rollout.dtype.value)
+                      engine_dtype=cfg.rollout.dtype.value, quantization=cfg.rollout.quantization.value)

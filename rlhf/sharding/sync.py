@@ -42,6 +42,9 @@ class SyncLayout:
     # the engines' dtype (rollout.dtype), what travels: bf16 engines of an fp32 trainer receive half the bytes,
     # the trainer casting as it packs (None: the model's dtype)
     engine_dtype: str | None = None
+    # rollout.quantization: "fp8_block" plans and moves the sync as bytes of the engines' form (quantized weights as
+    # fp8 blocks with their scales, quantized by their owners; the rest bf16: `weight_sync.quant.wire_spec`)
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.topology.world_size != self.world_size:
@@ -78,15 +81,29 @@ class SyncLayout:
         return range(first, first + self.engines.ranks_per_engine)
 
     def src_spec(self) -> ShardSpec:
-        return _specs(self)[0]
+        """What the trainer ranks send from (with quantization: their shards as wire bytes)."""
+        return _wire(self)[0]
 
     def dst_spec(self) -> ShardSpec:
-        return _specs(self)[1]
+        """What the engine ranks receive into (with quantization: their buffers as wire bytes)."""
+        return _wire(self)[1]
+
+    def typed_specs(self) -> tuple[ShardSpec, ShardSpec]:
+        """The trainer's and the engines' specs in tensors (the same as `src_spec`, `dst_spec` unquantized)."""
+        return _specs(self)
+
+    def wire_format(self):
+        """The `weight_sync.quant.WireFormat` of a quantized sync, None otherwise."""
+        if self.quantization == "none":
+            return None
+        from weight_sync.quant import WireFormat
+
+        return WireFormat(self.quantization)
 
     def plan(self) -> Plan:
         """Cached by `plan_reshard` while the specs and the topology's nodes do not change (the same spec
         objects for an equal layout: every step's sync finds its plan at once)."""
-        src, dst = _specs(self)
+        src, dst = _wire(self)
         return plan_reshard(src, dst, self.topology)
 
     def same_device_pairs(self, devices: Sequence[int] | None = None) -> frozenset[tuple[int, int]]:
@@ -108,3 +125,15 @@ def _specs(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     return (trainer_shard_spec(sync.model, sync.trainer, zero_stage=sync.zero_stage, expert_maps=sync.expert_maps),
             engine_shard_spec(sync.model, sync.engines, rank_offset=sync.trainer.world_size, include_mtp=False,
                               physical_experts=sync.engine_physical() or None, dtype=sync.engine_dtype))
+
+
+@lru_cache(maxsize=4)
+def _wire(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
+    """The specs a sync is planned and moved with: the typed ones, or their wire bytes when quantized."""
+    fmt = sync.wire_format()
+    if fmt is None:
+        return _specs(sync)
+    from weight_sync.quant import wire_spec
+
+    src, dst = _specs(sync)
+    return wire_spec(src, fmt), wire_spec(dst, fmt)
