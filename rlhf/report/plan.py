@@ -161,6 +161,10 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
               f"  {summary['transfers']} transfers over {summary['rank_pairs']} rank pairs, planned in "
               f"{plan_seconds:.2f} s"]
 
+    quantized = _quantization(sync, plan)
+    if quantized is not None:
+        lines += quantized[0]
+
     totals = [sum(roles.values()) for roles in memory.values()] or [0]
     peaks = [max(roles.values(), default=0) for roles in memory.values()] or [0]
     result = {"devices": dm.num_devices, "devices_used": len(used),
@@ -169,8 +173,51 @@ def plan_report(cfg: RunConfig, dm: DeviceMap | None = None, detail_up_to: int =
               "memory_simulated_gib_per_device": simulated,
               "bytes_minimal": plan.bytes_minimal, "bytes_network": plan.bytes_network,
               "bytes_same_device": same_device, "bytes_cross_node": cross_node, "floor_seconds": summary["floor_seconds"],
-              "plan_seconds": round(plan_seconds, 3), "route_bytes_per_step": routes}
+              "plan_seconds": round(plan_seconds, 3), "route_bytes_per_step": routes,
+              "quantization": quantized[1] if quantized is not None else None}
     return lines, result
+
+
+def _kind(name: str) -> str:
+    """A tensor's kind across layers and experts: `model.layers.3.mlp.gate.weight` -> `mlp.gate`."""
+    parts = [x for x in name.removesuffix(".weight").split(".") if not x.isdigit()]
+    while parts and parts[0] in ("model", "layers", "experts"):
+        parts = parts[1:]
+    return ".".join(p for p in parts if p != "experts")
+
+
+def _quantization(sync, plan) -> tuple[list[str], dict] | None:
+    """`rollout.quantization`: which tensors the engines keep quantized and which plain (the rule of
+    `weight_sync.quant.is_quantized`), and the sync's bytes against the same sync unquantized."""
+    fmt = sync.wire_format()
+    if fmt is None:
+        return None
+    from weight_sync.quant import WireFormat, wire_spec
+
+    src, dst = sync.typed_specs()
+    shapes = dst.shapes()
+    numel = {n: _numel(s) for n, s in shapes.items()}
+    quant = sorted(n for n, s in shapes.items() if fmt.quantized(n, s))
+    plain_kinds = sorted({_kind(n) for n in shapes if n not in set(quant)})
+    share = sum(numel[n] for n in quant) / max(sum(numel.values()), 1)
+    plain = WireFormat("none", dtype=fmt.dtype)
+    unquantized = plan_reshard(wire_spec(src, plain), wire_spec(dst, plain), sync.topology).bytes_minimal
+    lines = [f"rollout weights: {fmt.quantization} (float8_e4m3fn in {fmt.block} x {fmt.block} blocks, an fp32 scale "
+             f"each, quantized by the trainer rank that holds them; docs/quantized_rollout.md)",
+             f"  quantized: {len(quant)} tensors, {share:.1%} of the engines' parameters "
+             f"({', '.join(sorted({_kind(n) for n in quant}))})",
+             f"  kept {str(fmt.dtype).removeprefix('torch.')}: {', '.join(plain_kinds)}",
+             f"  sync: {_bytes(plan.bytes_minimal)} written against {_bytes(unquantized)} unquantized "
+             f"({plan.bytes_minimal / max(unquantized, 1):.2f}x)"]
+    return lines, {"kind": fmt.quantization, "tensors": len(quant), "parameter_share": round(share, 4),
+                   "kept_plain": plain_kinds, "bytes_minimal_unquantized": unquantized}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _memory_lines(cfg: RunConfig, memory: dict[int, dict[str, int]], detail_up_to: int) -> list[str]:

@@ -4,6 +4,7 @@ go through shared memory); and `rlhf plan` and `rlhf train` building the same sy
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf.config import load_model_config, load_run_config
 from rlhf.sharding.layout import InferenceLayout, Layout
@@ -44,6 +45,20 @@ def test_plan_reports_the_bytes_the_run_moves(overrides):
     plan = sync_layout(cfg, dm).plan()  # what `rlhf train` builds (rlhf.driver.run.RunInputs)
     assert (summary["bytes_minimal"], summary["bytes_network"]) == (plan.bytes_minimal, plan.bytes_network)
     assert summary["roles"]["rollout"] == sync_layout(cfg, dm).engines.world_size
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="fp8_block is refused on a cpu without AMX tiles")
+def test_plan_says_what_fp8_engines_keep_in_bf16_and_what_the_sync_moves():
+    cfg = load_run_config(ROOT / "configs" / "small_cpu.yaml", ["rollout.quantization=fp8_block"])
+    dm = device_map(cfg)
+    lines, summary = plan_report(cfg, dm)
+    q = summary["quantization"]
+    assert q["kind"] == "fp8_block" and q["tensors"] == 8 * (4 + 3 * 32)  # attention and every expert, 8 layers
+    assert q["kept_plain"] == ["embed_tokens", "input_layernorm", "lm_head", "mlp.gate", "norm",
+                               "post_attention_layernorm", "self_attn.k_norm", "self_attn.q_norm"]
+    plan = sync_layout(cfg, dm).plan()
+    assert summary["bytes_minimal"] == plan.bytes_minimal < 0.65 * q["bytes_minimal_unquantized"]
+    assert any(line.startswith("  kept bfloat16: embed_tokens") for line in lines)
 
 
 def test_topology_size_must_match_the_ranks():
