@@ -12,8 +12,8 @@ from rlhf.placement.device_map import DeviceMap
 from rlhf.schema import DeviceType, RewardKind, RunConfig
 from rlhf.sharding.layout import trainer_layout
 from rlhf.sim.candidate import engine_choice, trainer_choice
-from rlhf.sim.memory import GIB, engine_device_bytes, engine_rank_params, reference_state_bytes, trainer_state_bytes
-from rlhf.sim.workload import model_cost
+from rlhf.sim.memory import GIB, engine_device_bytes, engine_rank_weight_bytes, reference_state_bytes, trainer_state_bytes
+from rlhf.sim.workload import model_cost, quant_bytes
 from weight_sync.plan import DTYPE_BYTES
 
 __all__ = ["GIB", "RankBytes", "device_bytes", "memory_estimate", "memory_notes", "rank_bytes"]
@@ -40,7 +40,7 @@ def rank_bytes(cfg: RunConfig) -> RankBytes:
     stages = [lay.coords(r).pp for r in range(lay.world_size)]
     trainer = {s: math.ceil(trainer_state_bytes(mc, t, nb, s)) for s in set(stages)}
     reference = {s: math.ceil(reference_state_bytes(mc, t, nb, s)) for s in set(stages)}
-    weights = math.ceil(engine_rank_params(mc, e) * rb)
+    weights = math.ceil(engine_rank_weight_bytes(mc, e, rb, quant_bytes(cfg.rollout.quantization.value)))
     return RankBytes(tuple(trainer[s] for s in stages), tuple(reference[s] for s in stages),
                      (weights,) * e.world)
 

@@ -16,7 +16,7 @@ from rlhf.schema import RunConfig
 from rlhf.sim.candidate import Candidate, engine_choice, trainer_choice
 from rlhf.sim.cost import Sync, simulate_candidate
 from rlhf.sim.hardware import Hardware
-from rlhf.sim.memory import GIB, engine_memory, engine_rank_params, reference_memory, trainer_memory, trainer_state_bytes
+from rlhf.sim.memory import GIB, engine_memory, engine_rank_weight_bytes, reference_memory, trainer_memory, trainer_state_bytes
 from rlhf.sim.search import SearchSpace, search, why
 from rlhf.sim.workload import model_cost, workload
 
@@ -58,7 +58,7 @@ def memory_by_role(cfg: RunConfig, hw: Hardware) -> dict:
     mc, w, c = model_cost(cfg.model), workload(cfg), candidate_of(cfg)
     rt = hw.runtime_gib
     t_rt, e_rt = rt.get("trainer", 0.0), rt.get("engine", 0.0)
-    weights = engine_rank_params(mc, c.engines) * w.rollout_bytes / GIB
+    weights = engine_rank_weight_bytes(mc, c.engines, w.rollout_bytes, w.rollout_quant_bytes) / GIB
     engine = engine_memory(mc, w, hw, c.engines) / GIB
     roles = {"trainer": {"state": trainer_state_bytes(mc, c.trainer, w.train_bytes) / GIB,
                          "total": trainer_memory(mc, w, c.trainer) / GIB + t_rt},

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.hardware import Hardware
-from rlhf.sim.memory import engine_rank_params, kv_budget_bytes, memory_per_device, trainer_state_bytes
+from rlhf.sim.memory import engine_rank_weight_bytes, kv_budget_bytes, memory_per_device, trainer_state_bytes
 from rlhf.sim.workload import ModelCost, Workload
 
 
@@ -202,7 +202,8 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
         # experts a decode step reads: each of the b tokens picks top_k of them
         hit = 1 - (1 - mc.top_k / mc.num_experts) ** b
         touched = (mc.num_experts + e.redundant_experts) / e.ep * hit if e.ep > 1 else mc.num_experts * hit / e.tp
-        weights = ((mc.layer_dense + mc.head) / e.tp + mc.moe_layers * touched * mc.expert) * w.rollout_bytes
+        weights = ((mc.layer_dense / e.tp + mc.moe_layers * touched * mc.expert) * w.quant_bytes
+                   + mc.head / e.tp * w.rollout_bytes)  # quantized engines read 8-bit linear and expert weights
         kv = b / attn_dp * ctx * kv_tok
         t = max(flops / peak, (weights + kv) / (hw.memory_gbytes_per_s * 1e9))
         act = b / attn_dp * mc.hidden * w.rollout_bytes
@@ -232,8 +233,8 @@ def sync_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: S
     bandwidth). Without a plan: every engine rank receives its shard once; the trainer ranks holding a
     parameter share its sending (balanced over the replicas)."""
     e, t = c.engines, c.trainer
-    recv = engine_rank_params(mc, e) * w.rollout_bytes
-    send = e.engines * engine_rank_params(mc, e) * e.ranks * w.rollout_bytes / t.world
+    recv = engine_rank_weight_bytes(mc, e, w.rollout_bytes, w.rollout_quant_bytes)
+    send = e.engines * recv * e.ranks / t.world
     if sync is not None:
         recv, send = sync.max_recv_bytes, sync.max_send_bytes
     level = hw.level_between(c.devices)
@@ -253,7 +254,7 @@ def offload_seconds(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate) -> S
     if hw.shared_memory or not host.gbytes_per_s:  # the switch still happens (the roles' calls), moving nothing
         return _phase(hw, "offload", 0.0, 1)
     state = trainer_state_bytes(mc, c.trainer, w.train_bytes)
-    weights = engine_rank_params(mc, c.engines) * w.rollout_bytes
+    weights = engine_rank_weight_bytes(mc, c.engines, w.rollout_bytes, w.rollout_quant_bytes)
     return _phase(hw, "offload", 2 * (host.seconds(state) + host.seconds(weights)), 1)
 
 

@@ -157,16 +157,28 @@ def engine_rank_params(mc: ModelCost, e: EngineChoice) -> float:
     return vocab + mc.final_norm + layers + expert
 
 
+def engine_rank_weight_bytes(mc: ModelCost, e: EngineChoice, rollout_bytes: float, quant_bytes: float = 0.0) -> float:
+    """Bytes of an engine rank's weights: the vocabulary (embedding, head) at `rollout_bytes`, everything else at
+    `quant_bytes` when the engines quantize (`rollout.quantization`; their norms and routers, kept plain, are
+    counted with it: under 0.2 % of a layer), else at `rollout_bytes`."""
+    total = engine_rank_params(mc, e)
+    if not quant_bytes:
+        return total * rollout_bytes
+    vocab = padded_vocab(mc.vocab, e.tp) // e.tp * mc.hidden * (1 + (mc.head > 0))
+    return vocab * rollout_bytes + (total - vocab) * quant_bytes
+
+
 def kv_budget_bytes(hw: Hardware, w: Workload, mc: ModelCost, e: EngineChoice) -> float:
     """KV-cache bytes one engine rank has: cpu engines reserve rollout.cpu_kv_cache_gib; on an accelerator
     vLLM takes gpu_memory_utilization of the device for weights + KV."""
     if hw.device_type == "cpu":
         return w.kv_cache_gib * GIB
-    return max(0.0, w.gpu_memory_utilization * hw.memory_gib * GIB - engine_rank_params(mc, e) * w.rollout_bytes)
+    return max(0.0, w.gpu_memory_utilization * hw.memory_gib * GIB
+               - engine_rank_weight_bytes(mc, e, w.rollout_bytes, w.rollout_quant_bytes))
 
 
 def engine_memory(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice) -> float:
-    return engine_device_bytes(engine_rank_params(mc, e) * w.rollout_bytes, hw.device_type, w.kv_cache_gib,
+    return engine_device_bytes(engine_rank_weight_bytes(mc, e, w.rollout_bytes, w.rollout_quant_bytes), hw.device_type, w.kv_cache_gib,
                                w.gpu_memory_utilization, hw.memory_gib)
 
 

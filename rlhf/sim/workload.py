@@ -160,6 +160,8 @@ class Workload:
     reward_workers: int
     train_bytes: int  # parameter dtype of the trainer
     rollout_bytes: int
+    # rollout.quantization: bytes per element of the engines' quantized weights (fp8_block: 1 + a 4-byte scale per
+    # 128 x 128 block); 0: unquantized, every weight `rollout_bytes`. Embedding and head stay `rollout_bytes`.
     train_dtype: str  # what the trainer's matmuls compute in (trainer.compute_dtype, else the parameters')
     rollout_dtype: str
     max_num_seqs: int  # per engine (0: vLLM's default, 256 per tp rank)
@@ -168,6 +170,12 @@ class Workload:
     expert_load_skew: float = 1.0  # busiest expert rank's load over the mean (1: uniform routing)
     reward_sample_seconds: float = 0.0  # a verifier's measured seconds per sample (a code sandbox, a judge); 0: modelled
     streamed: bool = False  # rollout.stream_groups: each group scored as its engine finishes it
+    rollout_quant_bytes: float = 0.0  # see rollout_bytes
+
+    @property
+    def quant_bytes(self) -> float:
+        """Bytes per element of the engines' linear and expert weights."""
+        return self.rollout_quant_bytes or self.rollout_bytes
 
     @property
     def samples(self) -> int:
@@ -209,4 +217,10 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
                     expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds,
-                    streamed=r.stream_groups)
+                    streamed=r.stream_groups, rollout_quant_bytes=quant_bytes(r.quantization.value))
+
+
+def quant_bytes(quantization: str) -> float:
+    """Bytes per element of a quantized engine weight (0: not quantized): fp8 values and one fp32 scale per
+    128 x 128 block (`weight_sync.quant`)."""
+    return 0.0 if quantization == "none" else 1.0 + 4.0 / 128 ** 2

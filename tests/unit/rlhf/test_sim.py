@@ -372,3 +372,20 @@ def test_a_written_configuration_keeps_the_hierarchical_all_to_all(tmp_path):
     assert c.trainer.hierarchical_ep
     write_config(cfg, c, hardware_from_dict(HW), tmp_path)
     assert load_run_config(tmp_path / "run.yaml").trainer.hierarchical_ep
+
+
+@pytest.mark.skipif(not __import__("torch").cpu._is_amx_tile_supported(),
+                    reason="rollout.quantization=fp8_block is refused on a cpu without AMX tiles")
+def test_fp8_rollout_is_priced_by_its_weight_bytes():
+    """`rollout.quantization=fp8_block`: the sync moves the plan's fp8 bytes, decode reads 8-bit linear and expert
+    weights (the vocabulary stays bf16), engine weights take less memory; the update is unchanged."""
+    from rlhf.report.simulate import simulate
+
+    hw = load_hardware(ROOT / "configs" / "hardware" / "cpu_2core.yaml")
+    bf16 = simulate(load_run_config(ROOT / "configs" / "small_cpu.yaml"), hw, response_tokens=128)
+    fp8 = simulate(load_run_config(ROOT / "configs" / "small_cpu.yaml", ["rollout.quantization=fp8_block"]), hw,
+                   response_tokens=128)
+    assert fp8["phases"]["update"] == bf16["phases"]["update"]
+    assert fp8["phases"]["sync"] < 0.7 * bf16["phases"]["sync"]
+    assert fp8["phases"]["generate"] < bf16["phases"]["generate"]
+    assert fp8["step_seconds"] < bf16["step_seconds"]
