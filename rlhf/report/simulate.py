@@ -16,7 +16,8 @@ from rlhf.schema import RunConfig
 from rlhf.sim.candidate import Candidate, engine_choice, trainer_choice
 from rlhf.sim.cost import Sync, simulate_candidate
 from rlhf.sim.hardware import Hardware
-from rlhf.sim.memory import GIB, engine_memory, engine_rank_weight_bytes, reference_memory, trainer_memory, trainer_state_bytes
+from rlhf.sim.memory import (GIB, engine_memory, engine_rank_weight_bytes, reference_memory, trainer_memory,
+                              trainer_state_bytes)
 from rlhf.sim.search import SearchSpace, search, why
 from rlhf.sim.workload import model_cost, workload
 

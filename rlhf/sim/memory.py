@@ -178,8 +178,8 @@ def kv_budget_bytes(hw: Hardware, w: Workload, mc: ModelCost, e: EngineChoice) -
 
 
 def engine_memory(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice) -> float:
-    return engine_device_bytes(engine_rank_weight_bytes(mc, e, w.rollout_bytes, w.rollout_quant_bytes), hw.device_type, w.kv_cache_gib,
-                               w.gpu_memory_utilization, hw.memory_gib)
+    return engine_device_bytes(engine_rank_weight_bytes(mc, e, w.rollout_bytes, w.rollout_quant_bytes), hw.device_type,
+                               w.kv_cache_gib, w.gpu_memory_utilization, hw.memory_gib)
 
 
 def engine_device_bytes(weights: float, device_type: str, kv_cache_gib: float, gpu_memory_utilization: float,

@@ -1,5 +1,6 @@
 """FP8 rollout in a run: `configs/tiny_cpu_fp8.yaml` as shipped (a policy of FP8-sized shapes,
-configs/model/qwen3_moe_fp8_tiny.yaml, `rollout.quantization=fp8_block`, token TIS and the veto on), shortened. The engine starts from its first weights quantized, every step's sync
+configs/model/qwen3_moe_fp8_tiny.yaml, `rollout.quantization=fp8_block`, token TIS and the veto on), shortened.
+The engine starts from its first weights quantized, every step's sync
 carries the trainer ranks' own 8-bit blocks (about half a bf16 sync's bytes), and the steps log the
 train-minus-rollout mismatch and what the correction suite clipped or dropped."""
 
