@@ -176,3 +176,17 @@ def test_block_sized_quantization_halves_the_small_models_wire():
     bf16 = plan_reshard(wire_spec(src, WireFormat("none")), wire_spec(dst, WireFormat("none")), topo)
     without_embeddings = bf16.bytes_minimal - 2 * 2 * 32000 * 512  # the embedding and the head stay bf16
     assert fp8.bytes_minimal - 2 * 2 * 32000 * 512 < 0.51 * without_embeddings
+
+
+def test_a_replica_quantizes_only_what_it_sends():
+    cfg = model()
+    fmt = WireFormat("fp8_block", block=B)
+    src = trainer_shard_spec(cfg, Layout(dp=2))  # every tensor on both ranks
+    dst = engine_shard_spec(cfg, InferenceLayout(tp=1), rank_offset=2)
+    plan = plan_reshard(wire_spec(src, fmt), wire_spec(dst, fmt), Topology.single_node(3))
+    from weight_sync.quant import sent_buffers
+
+    a, b = sent_buffers(plan, 0), sent_buffers(plan, 1)
+    whole = {n for n, _ in src.ranks[0].buffers}
+    assert a | b == whole and a < whole and b < whole  # the replicas share the sending, and the quantizing
+    assert sent_buffers(plan, 0) is a  # once per plan
