@@ -221,7 +221,8 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
     contiguous (no packing, no copy-in). `fault_injector(peer, received_bucket)`, for tests only, may
     alter a received bucket (in shared memory too; the destination region itself for a transfer
     received in place) before it is copied in (the checksum must then catch it). `check_finite`: each
-    received bucket is also checked for NaN / inf in one reduction; the first offender's parameter is
+    received bucket of a floating dtype (bytes of a quantized sync are checked by their receiver as tensors) is also
+    checked for NaN / inf in one reduction; the first offender's parameter is
     reported in `SyncStats.nonfinite` once the exchange has completed (no rank leaves it half-way)."""
     t0 = time.perf_counter()
     stats = SyncStats()
@@ -300,7 +301,7 @@ def run_plan(plan: Plan, rank: int, src: Mapping[str, torch.Tensor] | None, dst:
             fault_injector(s, flat)
         if verify:
             received_sums[s].append((bucket, bucket_checksum(flat)))
-        if check_finite and stats.nonfinite is None and not all_finite(flat):
+        if check_finite and flat.is_floating_point() and stats.nonfinite is None and not all_finite(flat):
             stats.nonfinite = _nonfinite_param(bucket, flat)
     regions = (_DstRegions.of(plan, rank, dst, (bucket_bytes, alone_bytes, dtype, shared))
                if dst is not None and (incoming or shm_in) else None)
