@@ -1,8 +1,9 @@
 """FP8 rollout inside the resharding: a vLLM engine serving block-FP8 weights (`rollout.quantization=fp8_block`)
 receives, sync after sync, 8-bit blocks and their scales that each trainer rank quantized from its own shard,
 and then holds bit for bit what an engine freshly started from the reference quantizer's checkpoint of the same
-weights holds (every parameter's CRC, the prepacked FP8 ones included), and gives the same logprobs. A NaN in a
-trainer's weight (a NaN scale on the wire) is refused and the previous version keeps serving. The wire carries
+weights holds (every parameter's CRC, the prepacked FP8 ones included), and gives the same logprobs. A byte
+flipped on its way (the checksums) and a NaN in a trainer's weight (a NaN scale on the wire) are refused, and the
+previous version keeps serving. The wire carries
 about half of a bf16 sync's bytes.
 
 Three processes: trainer ranks 0 and 1, and an engine host whose vLLM workers join the transfer group."""
@@ -31,7 +32,7 @@ from weight_sync.quant import owner_wire_buffers, quantized_buffers
 
 pytestmark = pytest.mark.vllm
 FP8_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_fp8_tiny.yaml")
-SYNCS = ((2, None), (4, "nan"), (3, None), (2, None))  # (weights' seed, fault)
+SYNCS = ((2, None), (5, "flip"), (4, "nan"), (3, None), (2, None))  # (weights' seed, fault)
 
 
 def _amx() -> bool:
@@ -82,7 +83,7 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
         seqs = _seqs(cfg).tolist()
         for i, (seed, fault) in enumerate(SYNCS):
             try:
-                out["replies"].append(engine.receive_weights(sync, version=i + 1))
+                out["replies"].append(engine.receive_weights(sync, version=i + 1, inject_fault=fault == "flip"))
             except WeightUpdateRejected as e:
                 out["rejected"].append(str(e))
             out["logp"].append(torch.tensor(engine.sequence_logprobs(seqs)))
@@ -130,15 +131,18 @@ def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer,
     assert plan.bytes_minimal <= 0.55 * bf16.plan().bytes_minimal
 
     # after the first sync: every parameter bit for bit a fresh engine's on the reference quantizer's checkpoint
-    lp_a, lp_nan, lp_b, lp_a_again = engine["logp"]
-    crc_a, crc_nan, crc_b, crc_a_again = engine["crc"]
+    lp_a, lp_flip, lp_nan, lp_b, lp_a_again = engine["logp"]
+    crc_a, crc_flip, crc_nan, crc_b, crc_a_again = engine["crc"]
     assert crc_a == engine["fresh_crc"]
     assert torch.equal(lp_a, engine["fresh_logp"])
     assert crc_a_again == crc_a and torch.equal(lp_a_again, lp_a)  # back to the first weights: the same engine
     assert crc_b != crc_a and not torch.equal(lp_b, lp_a)
-    # the NaN never served: refused, the previous version answers
-    assert len(engine["rejected"]) == 1 and "holds non-finite values" in engine["rejected"][0]
-    assert "still serving version 1" in engine["rejected"][0] and crc_nan == crc_a and torch.equal(lp_nan, lp_a)
+    # a byte flipped on its way (caught by the checksums) and a NaN (by its block's scale) never served: refused,
+    # the previous version answers
+    flipped, nan = engine["rejected"]
+    assert "rejected on transfer rank" in flipped and "still serving version 1" in flipped
+    assert "holds non-finite values" in nan and "still serving version 1" in nan
+    assert crc_flip == crc_nan == crc_a and torch.equal(lp_flip, lp_a) and torch.equal(lp_nan, lp_a)
 
     # FP8 is not the trained policy: close to it, not equal (the mismatch the rollout correction weighs)
     seqs = _seqs(cfg)
