@@ -259,20 +259,43 @@ def sent_buffers(plan, rank: int) -> frozenset[str]:
     return cached[1]
 
 
-@torch.no_grad()
-def owner_wire_buffers(buffers: Mapping[str, torch.Tensor], quantized: set[str],
-                       fmt: WireFormat) -> dict[str, torch.Tensor]:
-    """What an owner sends from: each of its buffers in wire form, as bytes. A buffer of quantized weights is
-    quantized whole (its blocks are its pieces' blocks: `wire_spec` checked that) into its values and a scale
-    buffer; any other is cast to the plain dtype."""
-    out = {}
-    for name, t in buffers.items():
-        if name in quantized:
-            q, s = quantize_fp8_block(t, fmt.block)
-            out[name], out[scale_name(name)] = as_bytes(q), as_bytes(s)
+class OwnerWire(Mapping):
+    """What an owner sends from: each of its buffers in wire form, as bytes, made the first time a transfer reads
+    it (so quantizing the next buffers overlaps sending the first). A buffer of quantized weights is quantized
+    whole (its blocks are its pieces' blocks: `wire_spec` checked that) into its values and a scale buffer; any
+    other is cast to the plain dtype."""
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor], quantized: set[str], fmt: WireFormat):
+        self._src, self._quantized, self._fmt = buffers, quantized, fmt
+        self._names = [m for n in buffers for m in ((n, scale_name(n)) if n in quantized else (n,))]
+        self._made: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> torch.Tensor:
+        made = self._made.get(name)
+        if made is not None:
+            return made
+        base = name if name in self._src else name.removesuffix(SCALE_SUFFIX)
+        if base not in self._src or (base != name and base not in self._quantized):
+            raise KeyError(name)
+        t = self._src[base]
+        if base in self._quantized:
+            q, s = quantize_fp8_block(t, self._fmt.block)
+            self._made[base], self._made[scale_name(base)] = as_bytes(q), as_bytes(s)
         else:
-            out[name] = as_bytes(t.to(fmt.dtype).contiguous())
-    return out
+            self._made[base] = as_bytes(t.to(self._fmt.dtype).contiguous())
+        return self._made[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def owner_wire_buffers(buffers: Mapping[str, torch.Tensor], quantized: set[str], fmt: WireFormat) -> OwnerWire:
+    """An owner's buffers in wire form (`OwnerWire`: each made when first read)."""
+    return OwnerWire(buffers, quantized, fmt)
 
 
 def typed_buffers(shapes: Mapping[str, tuple[int, ...]], quantized: set[str], fmt: WireFormat) -> dict[str, torch.Tensor]:
