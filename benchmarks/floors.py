@@ -39,11 +39,15 @@ def update_flops(model: ModelConfig, tokens: float, samples: int, epochs: int = 
     return 3.0 * epochs * model_cost(model).forward_flops(tokens, context)
 
 
-def decode_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> float:
+def decode_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1, quant_bytes: float = 0.0) -> float:
     """Weight bytes one engine rank reads per decode step: every parameter but the embedding (a lookup of a few
-    rows), split over its tp ranks."""
+    rows), split over its tp ranks; with `quant_bytes` (quantized engines, `rlhf.sim.workload.quant_bytes`) all but
+    the LM head at that many bytes an element."""
     c = model_cost(model)
-    return (c.total + c.final_norm - c.embed) * torch.empty((), dtype=dtype).element_size() / tp
+    size = torch.empty((), dtype=dtype).element_size()
+    if quant_bytes:
+        return ((c.total + c.final_norm - c.embed - c.head) * quant_bytes + c.head * size) / tp
+    return (c.total + c.final_norm - c.embed) * size / tp
 
 
 def phase_floors(cfg, rates: dict[str, float], update_s: float, generate_s: float, trained_tokens: float,
@@ -57,7 +61,10 @@ def phase_floors(cfg, rates: dict[str, float], update_s: float, generate_s: floa
     flops = update_flops(cfg.model, trained_tokens, samples, t.epochs)
     update_floor = flops / (ranks * rates["matmul_tflops"] * 1e12)
     engine_dtype = getattr(torch, (r.dtype or cfg.model.dtype).value)
-    generate_floor = decode_steps * decode_bytes(cfg.model, engine_dtype, r.tp) / (rates["memory_gb_per_s"] * 1e9)
+    from rlhf.sim.workload import quant_bytes
+
+    read = decode_bytes(cfg.model, engine_dtype, r.tp, quant_bytes(r.quantization.value))
+    generate_floor = decode_steps * read / (rates["memory_gb_per_s"] * 1e9)
     return {"update_flops": flops, "update_floor_seconds": round(update_floor, 3),
             "update_over_floor": round(update_s / update_floor, 2),
             "generate_floor_seconds": round(generate_floor, 3),

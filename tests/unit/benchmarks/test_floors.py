@@ -1,6 +1,7 @@
 """The e2e benchmark's floors (benchmarks/floors.py): the update's matmul FLOPs and the weight bytes a decode step
 reads, from the model's shape, and the phases over them."""
 
+import pytest
 import torch
 
 from benchmarks.floors import decode_bytes, machine_rates, phase_floors, update_flops
@@ -31,6 +32,9 @@ def test_decode_reads_every_weight_but_the_embedding():
     embed = 32000 * 512
     assert decode_bytes(SMALL, torch.bfloat16) == 2 * (total - embed)
     assert decode_bytes(SMALL, torch.float32, tp=2) == 2 * (total - embed)
+    head = 32000 * 512  # fp8 engines read 8-bit weights (a 4-byte scale a 128 x 128 block) but the bf16 head
+    assert decode_bytes(SMALL, torch.bfloat16, quant_bytes=1 + 4 / 128 ** 2) == pytest.approx(
+        (total - embed - head) * (1 + 4 / 128 ** 2) + 2 * head)
 
 
 def _model_shapes(cfg):
