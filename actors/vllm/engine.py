@@ -63,6 +63,54 @@ def _per_prompt(value, count: int, name: str, each) -> list:
     return list(value)
 
 
+def checkpoint_quantization(cfg_layers: int, fmt) -> dict:
+    """The `quantization_config` of an HF config.json for weights in `fmt` (vLLM's `fp8` method with DeepSeek-V3's
+    block layout); the routers, which vLLM's Qwen3-MoE would otherwise quantize, are named as kept."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": [fmt.block, fmt.block],
+            "ignored_layers": [f"model.layers.{layer}.mlp.gate" for layer in range(cfg_layers)]}
+
+
+def write_quantized_checkpoint(src_dir, out_dir, fmt) -> str:
+    """An HF model directory holding `src_dir`'s weights in `fmt` (what fp8 engines start from): each quantized
+    tensor by the reference quantizer, with its `_scale_inv`, every other in the plain dtype; config.json gains
+    the quantization; tokenizer and generation files copied. Written to a temporary directory, then renamed."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    import torch
+
+    from rlhf.model.hf_io import iter_safetensors
+    from weight_sync.quant import quantize_fp8_block, scale_name
+
+    src, out = Path(src_dir), Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for name, t in iter_safetensors(src):
+        if fmt.quantized(name, tuple(t.shape)):
+            q, s = quantize_fp8_block(t, fmt.block)
+            tensors[name], tensors[scale_name(name)] = q, s
+        else:
+            tensors[name] = t.to(getattr(torch, fmt.dtype)).contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = checkpoint_quantization(config["num_hidden_layers"], fmt)
+    config["torch_dtype"] = fmt.dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():  # tokenizer, generation config
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model") \
+                and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copyfile(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)
+
+
 def quantized_start(model_dir: str, cfg: RolloutConfig, device_type: DeviceType) -> str | None:
     """`rollout.quantization`: the engine starts from its first weights quantized by the reference quantizer
     (`weight_sync.quant`), written to a temporary directory the caller removes once vLLM has loaded it; None
@@ -83,7 +131,7 @@ def quantized_start(model_dir: str, cfg: RolloutConfig, device_type: DeviceType)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if "quantization_config" in config:
         return None
-    from weight_sync.quant import WireFormat, write_quantized_checkpoint
+    from weight_sync.quant import WireFormat
 
     return write_quantized_checkpoint(model_dir, tempfile.mkdtemp(prefix="rlhf_fp8_"), WireFormat(cfg.quantization.value))
 

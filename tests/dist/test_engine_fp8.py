@@ -30,6 +30,8 @@ from weight_sync.pieces import local_tensors
 from weight_sync.plan import Topology
 from weight_sync.quant import owner_wire_buffers, quantized_buffers
 
+from tests.dist.test_engine_reshard import _seqs  # the sequences both engine tests score
+
 pytestmark = pytest.mark.vllm
 FP8_TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_fp8_tiny.yaml")
 SYNCS = ((2, None), (5, "flip"), (4, "nan"), (3, None), (2, None))  # (weights' seed, fault)
@@ -43,12 +45,6 @@ def _model(seed):
     m = Qwen3MoeForCausalLM(load_model_config(FP8_TINY)).eval()
     m.init_weights(seed, std=0.05)
     return m
-
-
-def _seqs(cfg):
-    seqs = torch.randint(3, cfg.vocab_size, (8, 12), generator=torch.Generator().manual_seed(0))
-    seqs[:, 0] = 1
-    return seqs
 
 
 def _rollout(engines):

@@ -76,9 +76,9 @@ def shard_walk(cfg, src, dst) -> tuple[list[int], list[int], list[int]]:
         reference.append(params * pbytes)
         trainer.append((params + sum(n for _, n in stepped)) * pbytes + opt)
     if cfg.rollout.quantization.value != "none":  # what fp8 engines hold: the wire form's bytes, scales included
-        from weight_sync.quant import WireFormat, wire_spec
+        from weight_sync.wire import WireFormat, wire_spec
 
-        wire = wire_spec(dst, WireFormat(cfg.rollout.quantization.value, dtype=getattr(torch, cfg.rollout.dtype.value)))
+        wire = wire_spec(dst, WireFormat(cfg.rollout.quantization.value, dtype=cfg.rollout.dtype.value))
         return trainer, reference, [sum(_numel(s) for _, s in rs.buffers) for rs in wire.ranks]
     return trainer, reference, [sum(_numel(s) for _, s in rs.buffers) * rbytes for rs in dst.ranks]
 
