@@ -229,11 +229,13 @@ class TrainerWorker(PolicyWorker):
         if fmt is not None:  # quantized rollout: this rank quantizes the blocks it holds and sends bytes
             from weight_sync.quant import owner_wire_buffers, quantized_buffers, sent_buffers
 
-            typed = sync.typed_specs()[0]
-            mine = next(r for r in typed.ranks if r.rank == self.rank)
-            sent = sent_buffers(sync.plan(), self.rank)  # only what it sends (replicas share the sending)
-            src = owner_wire_buffers({n: t for n, t in src.items() if n in sent},
-                                     quantized_buffers(mine, fmt, typed.shapes()), fmt)
+            plan = sync.plan()
+            if getattr(self, "_wire_plan", None) is not plan:  # once per plan: the buffers holding quantized weights
+                typed = sync.typed_specs()[0]
+                mine = next(r for r in typed.ranks if r.rank == self.rank)
+                self._wire_plan, self._wire_quantized = plan, quantized_buffers(mine, fmt, typed.shapes())
+            sent = sent_buffers(plan, self.rank)  # only what it sends (replicas share the sending)
+            src = owner_wire_buffers({n: t for n, t in src.items() if n in sent}, self._wire_quantized, fmt)
         # what travels is the engines' dtype (the shards cast as they are packed: fp32 -> bf16 engines; bytes when
         # quantized)
         stats = run_plan(sync.plan(), self.rank, src, None, getattr(torch, sync.dst_spec().dtype),

@@ -49,8 +49,7 @@ def _padded(w: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """`(values, scales)`: `w` ([..., N, K], any float dtype) as float8_e4m3fn values of its shape and fp32
     `weight_scale_inv` of `scale_shape(w.shape)`. A block's largest magnitude is max(max, -min) (no |w| copy); the
-    values are divided a few row blocks at a time into one reused buffer and written into the float8 output
-    (about 3 ns an element on one core here, a third of the plain vectorized form)."""
+    values are divided a few row blocks at a time into one reused buffer and written into the float8 output."""
     scale_shape(tuple(w.shape), block)  # refuses 1-dim tensors
     n, k = w.shape[-2:]
     lead = tuple(w.shape[:-2])
@@ -82,10 +81,6 @@ def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: int = BLO
     return (q.float() * full).to(dtype)
 
 
-# --- which tensors are quantized: the rule, stated once ---
-
-# The linear layers' weights: attention projections (GQA and MLA), dense MLPs, shared and routed experts.
-# Everything else stays bf16: embeddings, the LM head, norms, routers (`mlp.gate`, its correction bias), MTP's
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, its last dim counted in bytes (a view)."""
     return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
@@ -164,8 +159,7 @@ def nonfinite(typed: Mapping[str, torch.Tensor]) -> str | None:
     positive; None when every one is sound. What `run_plan`'s own check cannot see in bytes. float8 values are
     not scanned: a NaN or inf in a sender's weights makes its block's scale NaN or inf (the largest magnitude
     propagates it), and what the wire might flip the checksums catch."""
-    def all_finite(t: torch.Tensor) -> bool:  # one reduction (an inf or NaN makes the sum inf or NaN), as p2p's
-        return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+    from weight_sync.p2p import all_finite
 
     for name, t in typed.items():
         if t.dtype == FP8_DTYPE:

@@ -35,6 +35,9 @@ def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
     return tuple(shape[:-2]) + (blocks(shape[-2], block), blocks(shape[-1], block))
 
 
+# --- which tensors are quantized: the rule, stated once ---
+# The linear layers' weights: attention projections (GQA and MLA), dense MLPs, shared and routed experts.
+# Everything else stays bf16: embeddings, the LM head, norms, routers (`mlp.gate`, its correction bias), MTP's
 # `eh_proj` (none of them is a linear layer vLLM's block-FP8 method serves, or they are too small to pay).
 QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
@@ -91,6 +94,13 @@ def _bytes_shape(shape: tuple[int, ...], elem: int) -> tuple[int, ...]:
     return tuple(shape[:-1]) + (shape[-1] * elem,)
 
 
+def _wire_shapes(name: str, shape: tuple[int, ...], quantized: bool, plain: int, b: int) -> list[tuple]:
+    """A tensor's (or buffer's) entries on the wire: itself in bytes, and a quantized one's scales after it."""
+    if quantized:
+        return [(name, tuple(shape)), (scale_name(name), _bytes_shape(scale_shape(shape, b), 4))]
+    return [(name, _bytes_shape(shape, plain))]
+
+
 def _check_blocks(p: Piece, shape: tuple[int, ...], buffer_shape: tuple[int, ...], block: int, spec: ShardSpec,
                   rank: int) -> None:
     """`p`'s region is whole blocks of its tensor, placed on the block grid of its buffer, and a partial
@@ -100,20 +110,21 @@ def _check_blocks(p: Piece, shape: tuple[int, ...], buffer_shape: tuple[int, ...
         lo, n = p.box.start[d], p.box.size[d]
         hi, off = lo + n, p.offset[d]
         partial = hi % block != 0
-        if not (lo % block or (partial and hi != shape[d])) and (off % block or (partial and off + n != buffer_shape[d])):
-            raise BlockSplit(
-                f"{p.param}: its {shape[d]} {names[i]} are not whole {block} x {block} blocks, and {spec.name} rank "
-                f"{rank} keeps it in buffer {p.buffer!r} beside another tensor (a fused or stacked layer), where its "
-                f"last block would take the next tensor's {names[i]}: rollout.quantization=fp8_block needs a model "
-                f"whose dimensions are multiples of {block} (configs/model/qwen3_moe_fp8_tiny.yaml is one), or use "
-                f"rollout.quantization=none")
-        if lo % block or (partial and hi != shape[d]) or off % block or (partial and off + n != buffer_shape[d]):
+        cut = lo % block or (partial and hi != shape[d])  # the owner's region starts or ends inside a block
+        if cut:
             raise BlockSplit(
                 f"{p.param}: {spec.name} rank {rank} holds {names[i]} [{lo}, {hi}) of {shape[d]}, which cuts its "
                 f"{block} x {block} blocks (rollout.quantization=fp8_block needs every owner's region to be whole "
                 f"blocks, so that the owner alone sets each block's scale). Shard this tensor in multiples of "
                 f"{block} {names[i]} (fewer trainer.tp or zero-3 ranks, or a model whose dimensions are multiples "
                 f"of {block} per shard), or use rollout.quantization=none")
+        if off % block or (partial and off + n != buffer_shape[d]):  # whole, but off the buffer's block grid
+            raise BlockSplit(
+                f"{p.param}: its {shape[d]} {names[i]} are not whole {block} x {block} blocks, and {spec.name} rank "
+                f"{rank} keeps it in buffer {p.buffer!r} beside another tensor (a fused or stacked layer), where its "
+                f"last block would take the next tensor's {names[i]}: rollout.quantization=fp8_block needs a model "
+                f"whose dimensions are multiples of {block} (configs/model/qwen3_moe_fp8_tiny.yaml is one), or use "
+                f"rollout.quantization=none")
 
 
 def wire_spec(spec: ShardSpec, fmt: WireFormat) -> ShardSpec:
@@ -124,12 +135,7 @@ def wire_spec(spec: ShardSpec, fmt: WireFormat) -> ShardSpec:
     shapes = spec.shapes()
     plain, b = fmt.plain_bytes, fmt.block
     quant = {name for name, shape in shapes.items() if fmt.quantized(name, shape)}
-    global_shapes = []
-    for name, shape in spec.global_shapes:
-        if name in quant:
-            global_shapes += [(name, tuple(shape)), (scale_name(name), _bytes_shape(scale_shape(shape, b), 4))]
-        else:
-            global_shapes.append((name, _bytes_shape(shape, plain)))
+    global_shapes = [e for name, shape in spec.global_shapes for e in _wire_shapes(name, shape, name in quant, plain, b)]
     ranks = []
     done: dict[tuple[int, int], tuple] = {}  # replicas share their buffers and pieces: convert those once
     for r in spec.ranks:
@@ -152,12 +158,7 @@ def _wire_rank(r: RankShards, spec: ShardSpec, shapes: dict, quant: set[str], pl
         raise ValueError(f"{spec.name} rank {r.rank}: buffer {mixed[0]!r} holds quantized and unquantized tensors; "
                          f"a buffer must be one or the other")
     qbufs = {n for n, k in kinds.items() if True in k}
-    buffers = []
-    for name, shape in r.buffers:
-        if name in qbufs:
-            buffers += [(name, tuple(shape)), (scale_name(name), _bytes_shape(scale_shape(shape, b), 4))]
-        else:
-            buffers.append((name, _bytes_shape(shape, plain)))
+    buffers = [e for name, shape in r.buffers for e in _wire_shapes(name, shape, name in qbufs, plain, b)]
     pieces = []
     for p in r.pieces:
         if p.param not in quant:

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from rlhf.algorithms.losses import truncated_is_weights
 from rlhf.schema import AlgorithmConfig
 
 
@@ -49,8 +50,8 @@ def correction_parts(cfg: AlgorithmConfig, old_logp_BT: torch.Tensor, rollout_lo
     n_B = m.sum(1)
     weight = torch.ones_like(log_r)
     out: dict[str, torch.Tensor] = {}
-    if cfg.tis_cap > 0:
-        out["token"] = torch.exp(log_r).clamp(max=cfg.tis_cap)
+    if cfg.tis_cap > 0:  # the loss's token TIS as it always was (float32), so TIS alone weighs what it did
+        out["token"] = torch.where(m, truncated_is_weights(old_logp_BT, rollout_logp_BT, cfg.tis_cap), 1.0)
         weight = weight * out["token"]
     if cfg.seq_mis_cap > 0:
         seq_log = log_r.sum(1)

@@ -25,7 +25,7 @@ import torch
 
 from rlhf.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
 from rlhf.algorithms.correction import correction_weights
-from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss, truncated_is_weights
+from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
 from rlhf.schema import AlgorithmConfig, Estimator, LossAggregation
 
 
@@ -73,10 +73,7 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
     if cfg.estimator is Estimator.gspo:
         stats = gspo_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, normaliser)
     else:
-        if cfg.seq_mis_cap > 0 or cfg.geo_rs_cap > 0 or cfg.veto_threshold > 0:
-            tis = correction_weights(cfg, old_logp, extras["rollout_logp"], mask)
-        else:  # token-level TIS alone, as it always was
-            tis = truncated_is_weights(old_logp, extras["rollout_logp"], cfg.tis_cap) if cfg.tis_cap > 0 else None
+        tis = correction_weights(cfg, old_logp, extras["rollout_logp"], mask)
         stats = ppo_clip_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high,
                               cfg.loss_aggregation, normaliser, tis)
     loss = stats.loss
