@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
-from rlhf.algorithms.correction import correction_weights
+from rlhf.algorithms.correction import correction_weights, corrects
 from rlhf.algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
 from rlhf.schema import AlgorithmConfig, Estimator, LossAggregation
 
@@ -73,7 +73,7 @@ def policy_loss(cfg: AlgorithmConfig, logp_BT: torch.Tensor, entropy_BT: torch.T
     if cfg.estimator is Estimator.gspo:
         stats = gspo_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high, normaliser)
     else:
-        tis = correction_weights(cfg, old_logp, extras["rollout_logp"], mask)
+        tis = correction_weights(cfg, old_logp, extras["rollout_logp"], mask) if corrects(cfg) else None
         stats = ppo_clip_loss(logp_BT, old_logp, adv, mask, cfg.clip_eps_low, cfg.clip_eps_high,
                               cfg.loss_aggregation, normaliser, tis)
     loss = stats.loss
