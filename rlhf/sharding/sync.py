@@ -137,3 +137,23 @@ def _wire(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
 
     src, dst = _specs(sync)
     return wire_spec(src, fmt), wire_spec(dst, fmt)
+
+
+def block_split(model: ModelConfig, quantization: str, trainer: Layout | None = None, zero_stage: int = 1,
+                engines: InferenceLayout | None = None) -> str | None:
+    """Why `quantization` cannot travel between these layouts (a trainer or engine shard of a quantized tensor not
+    made of whole blocks, `weight_sync.wire.BlockSplit`), or None. Either side may be left out; validation asks it
+    of a run's layouts, the search of every layout it tries (on a model cut to one layer of each kind)."""
+    if quantization == "none":
+        return None
+    from weight_sync.wire import BlockSplit, WireFormat, wire_spec
+
+    fmt = WireFormat(quantization)
+    try:
+        if trainer is not None:
+            wire_spec(trainer_shard_spec(model, trainer, zero_stage=zero_stage), fmt)
+        if engines is not None:
+            wire_spec(engine_shard_spec(model, engines, include_mtp=False), fmt)
+    except BlockSplit as e:
+        return str(e)
+    return None

@@ -66,6 +66,7 @@ class Candidate:
     trainer_devices: int = 0  # devices of the trainer pool (0: the trainer's world size)
     rollout_devices: int = 0
     staleness: int = 0
+    quantization: str = "none"  # the engines' weights (rollout.quantization)
 
     @property
     def devices(self) -> int:
@@ -80,8 +81,9 @@ class Candidate:
     def __str__(self) -> str:
         where = "co-located" if self.colocated else f"disaggregated {self.trainer_devices or self.trainer.world}+" \
                                                     f"{self.rollout_devices or self.engines.world}"
-        return f"trainer {self.trainer}, engines {self.engines}, {where}" + (
-            f", staleness {self.staleness}" if self.staleness else "")
+        return (f"trainer {self.trainer}, engines {self.engines}"
+                + (f" {self.quantization}" if self.quantization != "none" else "") + f", {where}"
+                + (f", staleness {self.staleness}" if self.staleness else ""))
 
 
 def trainer_choice(t: TrainerConfig) -> TrainerChoice:

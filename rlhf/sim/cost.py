@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.hardware import Hardware
 from rlhf.sim.memory import engine_rank_weight_bytes, kv_budget_bytes, memory_per_device, trainer_state_bytes
-from rlhf.sim.workload import ModelCost, Workload
+from rlhf.sim.workload import ModelCost, Workload, quantized
 
 
 @dataclass(frozen=True)
@@ -196,13 +196,14 @@ def generate_seconds(mc: ModelCost, w: Workload, hw: Hardware, e: EngineChoice, 
     ctx = w.prompt_tokens + w.response_tokens / 2
     per_step = 0.0
     per_wave = [batch] * (waves - 1) + [samples - batch * (waves - 1)]
+    read = hw.decode_weight_bytes(w.rollout_quantization, w.rollout_bytes)
     for b in per_wave:
         flops = (2.0 * b * (mc.head + mc.layer_dense + mc.layers * mc.attn_width * ctx) / e.tp / attn_dp
                  + 2.0 * b * mc.moe_layers * mc.top_k * mc.expert / e.ranks / hw.grouped_matmul_efficiency)
         # experts a decode step reads: each of the b tokens picks top_k of them
         hit = 1 - (1 - mc.top_k / mc.num_experts) ** b
         touched = (mc.num_experts + e.redundant_experts) / e.ep * hit if e.ep > 1 else mc.num_experts * hit / e.tp
-        weights = ((mc.layer_dense / e.tp + mc.moe_layers * touched * mc.expert) * w.quant_bytes
+        weights = ((mc.layer_dense / e.tp + mc.moe_layers * touched * mc.expert) * read
                    + mc.head / e.tp * w.rollout_bytes)  # quantized engines read 8-bit linear and expert weights
         kv = b / attn_dp * ctx * kv_tok
         t = max(flops / peak, (weights + kv) / (hw.memory_gbytes_per_s * 1e9))
@@ -301,6 +302,8 @@ def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, s
                        trainer: dict | None = None, generate: tuple | None = None) -> dict:
     """Every phase's seconds, the step, tokens/s and memory of one configuration. `trainer` (`trainer_phases`)
     and `generate` (`generate_seconds`) may be given when already computed for these layouts (the search)."""
+    if c.quantization != w.rollout_quantization:
+        w = quantized(w, c.quantization)
     phases = dict(trainer if trainer is not None else trainer_phases(mc, w, hw, c.trainer, 0))
     gen, shape = generate if generate is not None else generate_seconds(mc, w, hw, c.engines, c.rollout_first_device)
     phases["generate"] = gen

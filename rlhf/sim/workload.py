@@ -171,11 +171,7 @@ class Workload:
     reward_sample_seconds: float = 0.0  # a verifier's measured seconds per sample (a code sandbox, a judge); 0: modelled
     streamed: bool = False  # rollout.stream_groups: each group scored as its engine finishes it
     rollout_quant_bytes: float = 0.0  # see rollout_bytes
-
-    @property
-    def quant_bytes(self) -> float:
-        """Bytes per element of the engines' linear and expert weights."""
-        return self.rollout_quant_bytes or self.rollout_bytes
+    rollout_quantization: str = "none"  # rollout.quantization (how decode reads them: Hardware.decode_weight_bytes)
 
     @property
     def samples(self) -> int:
@@ -217,7 +213,13 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
                     expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds,
-                    streamed=r.stream_groups, rollout_quant_bytes=quant_bytes(r.quantization.value))
+                    streamed=r.stream_groups, rollout_quant_bytes=quant_bytes(r.quantization.value),
+                    rollout_quantization=r.quantization.value)
+
+
+def quantized(w: Workload, quantization: str) -> Workload:
+    """`w` with its engines' weights in `quantization` (the search tries each format the hardware serves)."""
+    return replace(w, rollout_quantization=quantization, rollout_quant_bytes=quant_bytes(quantization))
 
 
 def quant_bytes(quantization: str) -> float:

