@@ -63,7 +63,7 @@ def phase_floors(cfg, rates: dict[str, float], update_s: float, generate_s: floa
     engine_dtype = getattr(torch, (r.dtype or cfg.model.dtype).value)
     from rlhf.sim.workload import quant_bytes
 
-    read = decode_bytes(cfg.model, engine_dtype, r.tp, quant_bytes(r.quantization.value))
+    read = decode_bytes(cfg.model, engine_dtype, r.tp, quant_bytes(r.quantization.value, cfg.model.hidden_size))
     generate_floor = decode_steps * read / (rates["memory_gb_per_s"] * 1e9)
     return {"update_flops": flops, "update_floor_seconds": round(update_floor, 3),
             "update_over_floor": round(update_s / update_floor, 2),

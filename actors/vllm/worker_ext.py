@@ -49,8 +49,8 @@ def _patch_cpu_moe_expert_map() -> None:
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     except ImportError:  # another vLLM build: nothing to patch
         return
-    # the block-FP8 experts (rollout.quantization=fp8_block) share the flaw: tests/dist/test_engine_fp8.py
-    for name in ("CPUUnquantizedExperts", "CPUExpertsFp8"):
+    # the block-FP8 and W8A8 int8 experts (rollout.quantization) share the flaw: tests/dist/test_engine_fp8.py
+    for name in ("CPUUnquantizedExperts", "CPUExpertsFp8", "CPUExpertsInt8"):
         if hasattr(cpu_moe, name):
             _local_expert_ids(getattr(cpu_moe, name))
 
@@ -325,8 +325,8 @@ class WeightUpdateExtension:
         if fmt is None:
             self._rlhf_direct = DirectInstall.build(self.model_runner.get_model(), dict(mine.buffers), dtype)
             return self._rlhf_staging, False
-        # quantized: the staged bytes seen as the engine's tensors (fp8 values, fp32 scales, bf16 rest), installed
-        # by the layers' own post-load processing (the fp8 kernels' prepack); vLLM's reload is not taken for them
+        # quantized: the staged bytes seen as the engine's tensors (fp8 / int8 values, fp32 scales, bf16 rest),
+        # installed by the layers' own post-load processing (the kernels' prepack); vLLM's reload is not taken
         from weight_sync.quant import typed_views
 
         typed_spec = sync.typed_specs()[1]

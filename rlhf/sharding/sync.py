@@ -42,8 +42,8 @@ class SyncLayout:
     # the engines' dtype (rollout.dtype), what travels: bf16 engines of an fp32 trainer receive half the bytes,
     # the trainer casting as it packs (None: the model's dtype)
     engine_dtype: str | None = None
-    # rollout.quantization: "fp8_block" plans and moves the sync as bytes of the engines' form (quantized weights as
-    # fp8 blocks with their scales, quantized by their owners; the rest bf16: `weight_sync.quant.wire_spec`)
+    # rollout.quantization: "fp8_block" / "int8_channel" plan and move the sync as bytes of the engines' form
+    # (quantized weights with their scales, quantized by their owners; the rest bf16: `weight_sync.wire.wire_spec`)
     quantization: str = "none"
 
     def __post_init__(self):
@@ -136,14 +136,15 @@ def _wire(sync: SyncLayout) -> tuple[ShardSpec, ShardSpec]:
     from weight_sync.wire import wire_spec
 
     src, dst = _specs(sync)
-    return wire_spec(src, fmt), wire_spec(dst, fmt)
+    return wire_spec(src, fmt), wire_spec(dst, fmt, sender=False)
 
 
 def block_split(model: ModelConfig, quantization: str, trainer: Layout | None = None, zero_stage: int = 1,
                 engines: InferenceLayout | None = None) -> str | None:
     """Why `quantization` cannot travel between these layouts (a trainer or engine shard of a quantized tensor not
-    made of whole blocks, `weight_sync.wire.BlockSplit`), or None. Either side may be left out; validation asks it
-    of a run's layouts, the search of every layout it tries (on a model cut to one layer of each kind)."""
+    made of whole blocks, a trainer shard not of whole rows: `weight_sync.wire.BlockSplit`), or None. Either side
+    may be left out; validation asks it of a run's layouts, the search of every layout it tries (on a model cut to
+    one layer of each kind)."""
     if quantization == "none":
         return None
     from weight_sync.wire import BlockSplit, WireFormat, wire_spec
@@ -153,7 +154,7 @@ def block_split(model: ModelConfig, quantization: str, trainer: Layout | None = 
         if trainer is not None:
             wire_spec(trainer_shard_spec(model, trainer, zero_stage=zero_stage), fmt)
         if engines is not None:
-            wire_spec(engine_shard_spec(model, engines, include_mtp=False), fmt)
+            wire_spec(engine_shard_spec(model, engines, include_mtp=False), fmt, sender=False)
     except BlockSplit as e:
         return str(e)
     return None

@@ -303,7 +303,7 @@ def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, s
     """Every phase's seconds, the step, tokens/s and memory of one configuration. `trainer` (`trainer_phases`)
     and `generate` (`generate_seconds`) may be given when already computed for these layouts (the search)."""
     if c.quantization != w.rollout_quantization:
-        w = quantized(w, c.quantization)
+        w = quantized(w, c.quantization, mc.hidden)
     phases = dict(trainer if trainer is not None else trainer_phases(mc, w, hw, c.trainer, 0))
     gen, shape = generate if generate is not None else generate_seconds(mc, w, hw, c.engines, c.rollout_first_device)
     phases["generate"] = gen

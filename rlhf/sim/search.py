@@ -21,7 +21,7 @@ from rlhf.schema import Attention, ModelConfig
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.cost import generate_seconds, simulate_candidate, trainer_phases
 from rlhf.sim.memory import GIB, engine_memory, trainer_memory
-from rlhf.sim.hardware import Hardware
+from rlhf.sim.hardware import QUANTIZATIONS, Hardware
 from rlhf.sim.workload import ModelCost, Workload, quantized
 
 MICRO_BATCH_TOKENS = (2048, 4096, 8192, 16384, 32768)
@@ -52,9 +52,10 @@ class SearchSpace:
 
 def quantizations(m: ModelConfig, w: Workload, hw: Hardware) -> tuple[str, ...]:
     """The engines' weight formats worth trying: unquantized, and those the hardware serves that
-    `rollout.quantization` builds for this model (validation's rules: fp8_block, bf16 engines, GQA)."""
-    built = "fp8_block" in hw.quantized_decode_bytes and w.rollout_dtype == "bfloat16" and m.attention is Attention.gqa
-    return ("none", "fp8_block") if built else ("none",)
+    `rollout.quantization` builds for this model (validation's rules: bf16 engines, a GQA model)."""
+    if w.rollout_dtype != "bfloat16" or m.attention is not Attention.gqa:
+        return ("none",)
+    return ("none",) + tuple(q for q in QUANTIZATIONS if q in hw.quantized_decode_bytes)
 
 
 class BlockFit:
@@ -155,7 +156,7 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
     layouts = 0
     formats = space.quantizations if space.quantizations is not None else quantizations(m, w, hw)
     fits = {q: BlockFit(m, q) for q in formats if q != "none"}
-    loads = {q: quantized(w, q) for q in formats}
+    loads = {q: quantized(w, q, m.hidden_size) for q in formats}
 
     def trainers(n: int, q: str) -> list:
         nonlocal layouts

