@@ -443,5 +443,11 @@ def test_the_search_tries_fp8_engines_where_the_hardware_serves_them_and_the_blo
     assert not [r for r in search(model_cost(m), m, w, hw, 4, 200, replace(space, quantizations=("none",)))["ranked"]
                 if r.candidate.quantization != "none"]
     assert quantizations(m, w, hw) == ("none", "fp8_block")
+    # int8 where the hardware lists it: only on trainer layouts that hold whole rows (no TP)
+    both = hardware_from_dict(HW | {"quantized_decode_bytes": {"fp8_block": 1.0, "int8_channel": 1.0}})
+    assert quantizations(m, w, both) == ("none", "fp8_block", "int8_channel")
+    int8 = [r.candidate for r in search(model_cost(m), m, w, both, 4, 400, space)["ranked"]
+            if r.candidate.quantization == "int8_channel"]
+    assert int8 and all(c.trainer.tp == 1 for c in int8)
     assert quantizations(m, replace(w, rollout_dtype="float32"), hw) == ("none",)
     assert quantizations(load_model_config(MODELS / "pangu_moe_tiny.yaml"), w, hw) == ("none",)
