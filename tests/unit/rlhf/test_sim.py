@@ -388,7 +388,7 @@ def test_fp8_rollout_is_priced_by_its_weight_bytes_and_decode_as_the_hardware_re
     cfg = load_run_config(ROOT / "configs" / "small_cpu.yaml")
     c, w, mc = candidate_of(cfg), workload(cfg, response_tokens=128), model_cost(cfg.model)
     cpu = load_hardware("cpu_2core")
-    assert cpu.quantized_decode_bytes == {"fp8_block": 2.0}
+    assert cpu.quantized_decode_bytes == {"fp8_block": 2.0, "int8_channel": 1.5}
     for read in (1.0, 2.0):
         hw = replace(cpu, quantized_decode_bytes={"fp8_block": read})
         bf16 = simulate_candidate(mc, w, hw, c)
