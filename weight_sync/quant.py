@@ -27,9 +27,8 @@ from typing import Mapping
 import torch
 
 from weight_sync.spec import RankShards
-from weight_sync.wire import (BLOCK, QUANTIZED_LINEARS, SCALE_SUFFIX, SCALE_SUFFIXES, BlockSplit,  # noqa: F401
-                              WireFormat, blocks, is_quantized, quantized_buffers, scale_name, scale_shape,
-                              sent_buffers, unscaled, wire_spec)
+from weight_sync.wire import (BLOCK, SCALE_SUFFIXES, BlockSplit, WireFormat, blocks, is_quantized,  # noqa: F401
+                              quantized_buffers, scale_shape, sent_buffers, unscaled, wire_spec)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max

@@ -65,11 +65,6 @@ def is_quantized(param: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in QUANTIZED_LINEARS
 
 
-def scale_name(name: str) -> str:
-    """The fp8 scale tensor (or buffer) of a quantized weight (or of a buffer of them): `...weight_scale_inv`."""
-    return name + SCALE_SUFFIX
-
-
 def unscaled(name: str) -> str:
     """The weight (or buffer) a scale tensor's name belongs to; any other name as it is."""
     for suffix in SCALE_SUFFIXES:

@@ -154,6 +154,7 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
     limit = hw.memory_gib if hw.memory_gib and not hw.shared_memory else float("inf")
     rt = hw.runtime_gib
     trainer_cache: dict[int, list] = {}
+    kept_cache: dict[tuple[int, str], list] = {}
     engine_cache: dict[tuple, list] = {}
     layouts = 0
     formats = space.quantizations if space.quantizations is not None else quantizations(m, w, hw)
@@ -173,7 +174,10 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
                 scored.append((sum(ph.values()), mem, t, ph))
             scored.sort(key=lambda x: (x[0], x[1]))
             trainer_cache[n] = [(t, ph) for _, _, t, ph in scored]
-        return [(t, ph) for t, ph in trainer_cache[n] if q == "none" or fits[q].trainer(t)][:KEEP_PER_SIDE]
+        if (n, q) not in kept_cache:  # the fastest that carry the format (every one unquantized)
+            kept = (tp for tp in trainer_cache[n] if q == "none" or fits[q].trainer(tp[0]))
+            kept_cache[n, q] = [x for _, x in zip(range(KEEP_PER_SIDE), kept)]
+        return kept_cache[n, q]
 
     def engines(n: int, first: int, q: str) -> list:
         nonlocal layouts
