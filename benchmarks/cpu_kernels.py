@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind five choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind six choices, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -13,7 +13,10 @@
 - the LM head's bf16 matmuls for a 1,024-token chunk over 32,000 x 512 (`head`): the logits into a fresh tensor
   and into a reused one (`rlhf.model.layers.Scratch`), by the transposed view of the weight and by a contiguous
   transposed copy (`transposed_once`); the weight's gradient product fresh and reused; that bf16 product added
-  into the fp32 gradient as one mixed-dtype `add_` and block by block (`rlhf.model.head._add_rows`).
+  into the fp32 gradient as one mixed-dtype `add_` and block by block (`rlhf.model.layers.add_into`);
+- the LM head's elementwise work over a [64, 32,000] bf16 block of logits (`head_rows`): softmax, the target's
+  logprob and the entropy (forward), dL/dz written over the logits (backward), in eager torch and compiled
+  (`rlhf.model.head.RowKernels`; the first call's compile is not timed).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -142,7 +145,7 @@ def expert_padding(repeats: int) -> dict:
 def head(repeats: int) -> dict:
     import torch
 
-    from rlhf.model.head import _add_rows
+    from rlhf.model.layers import add_into
 
     C, V, H = 1024, 32_000, 512
     g = torch.Generator().manual_seed(0)
@@ -158,13 +161,40 @@ def head(repeats: int) -> dict:
             "head_weight_grad_fresh_ms": _ms(lambda: dz.T @ h, repeats),
             "head_weight_grad_reused_ms": _ms(lambda: torch.mm(dz.T, h, out=product), repeats),
             "head_grad_add_mixed_ms": _ms(lambda: grad.add_(product), repeats),
-            "head_grad_add_blocks_ms": _ms(lambda: _add_rows(grad, product), repeats)}
+            "head_grad_add_blocks_ms": _ms(lambda: add_into(grad, product), repeats)}
+
+
+def head_rows(repeats: int) -> dict:
+    import torch
+
+    from rlhf.model.head import ROWS, RowKernels, rows_backward, rows_forward
+
+    V = 32_000
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(ROWS, V, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, V, (ROWS,), generator=g)
+    lse, _, ent = rows_forward(z, targets, None)
+    g_logp, g_ent = torch.randn(ROWS, generator=g), torch.randn(ROWS, generator=g)
+    compiled = RowKernels()
+    t0 = time.perf_counter()
+    compiled.forward(z, targets, None)
+    compiled.backward(z.clone(), targets, lse, ent, g_logp, g_ent, None)
+    out = {"head_rows_compile_s": round(time.perf_counter() - t0, 1), "head_rows_compiled": bool(compiled.compiled)}
+    scratch = z.clone()
+    return out | {
+        "head_rows_forward_eager_ms": _ms(lambda: rows_forward(z, targets, None), repeats),
+        "head_rows_forward_compiled_ms": _ms(lambda: compiled.forward(z, targets, None), repeats),
+        "head_rows_backward_eager_ms": _ms(lambda: rows_backward(scratch, targets, lse, ent, g_logp, g_ent, None),
+                                           repeats),
+        "head_rows_backward_compiled_ms": _ms(lambda: compiled.backward(scratch, targets, lse, ent, g_logp, g_ent,
+                                                                        None), repeats)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
-    parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head"), default=None)
+    parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head",
+                                                   "head_rows"), default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
@@ -172,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
-             "head": head}
+             "head": head, "head_rows": head_rows}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

@@ -8,12 +8,12 @@
     python -m benchmarks.update_profile --memory-categories --micro-batch-tokens 1024     # tensors at the peak, by kind
     python -m benchmarks.update_profile --ranks 2 --compute-dtype bfloat16 --by-shape      # ops by operand shapes
 
-Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs two timed update
-steps (GRPO loss, one optimizer step each) and a third under `torch.profiler` (unless --no-profile); prints rank 0's ops by
-self CPU time and ends with one JSON line: `step_seconds` of the two timed steps, the micro-batches, rank 0's
-distinct matmul shapes in the profiled step (`matmul_shapes`: the primitives oneDNN builds in bf16), and each
-rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init and after each
-timed step).
+Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs `--steps` timed update
+steps (2; GRPO loss, one optimizer step each) and one more under `torch.profiler` (unless --no-profile); prints
+rank 0's ops (`--table-rank`) by self CPU time and ends with one JSON line: `step_seconds` of the timed steps, the
+micro-batches, rank 0's distinct matmul shapes in the profiled step (`matmul_shapes`: the primitives oneDNN builds
+in bf16), and each rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init
+and after each timed step).
 The weights are random (our code), written once to `out/bench/<model name>-update`.
 """
 
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_rank: int, new_tokens: int,
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
            profile_memory: bool = False, memory_categories: bool = False,
-           expert_rows_multiple: int | None = None, threads: int = 1, by_shape: bool = False) -> dict:
+           expert_rows_multiple: int | None = None, threads: int = 1, by_shape: bool = False,
+           steps: int = 2, rows: int | None = None) -> dict:
     import torch
 
     if expert_rows_multiple is not None:  # the bf16 experts' row padding on cpu (1: none)
@@ -67,7 +68,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         trainer.train_step(mbs, lambda lp, e, mb: policy_loss(algo, lp, e, mb.extras, normaliser, LossRecord()))
 
     seconds = []
-    for _ in range(2):
+    for _ in range(steps):
         t0 = time.perf_counter()
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
@@ -84,7 +85,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
             step()
         table = prof.key_averages(group_by_input_shape=by_shape).table(
             sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
-            row_limit=25 if profile_memory or by_shape else 15)
+            row_limit=rows or (25 if profile_memory or by_shape else 15))
         shapes = matmul_shapes(prof)
     return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
             "tensor_peak_gb": categories, "matmul_shapes": shapes}
@@ -139,12 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (a trainer rank has 1 on cpu; --ranks 1 --threads 2 "
                              "--samples-per-rank 64 is the two-rank update on one rank of two threads)")
-    parser.add_argument("--no-profile", action="store_true", help="skip the profiled third step")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="timed steps before the profiled one (the first compiles and allocates: compare the rest)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled step after the timed ones")
     parser.add_argument("--profile-memory", action="store_true",
                         help="the profiled step's ops by the memory they allocate (torch.profiler profile_memory)")
     parser.add_argument("--memory-categories", action="store_true",
                         help="instead of the ops table: the profiled step's tensors at their peak by kind (tensor_peak_gb)")
     parser.add_argument("--by-shape", action="store_true", help="the ops table by operand shapes")
+    parser.add_argument("--rows", type=int, default=None, help="rows of the ops table (15; 25 by shape or memory)")
+    parser.add_argument("--table-rank", type=int, default=0,
+                        help="whose ops table to print (each rank waits in the collectives for the other's work)")
     parser.add_argument("--expert-rows-multiple", type=int, default=None,
                         help="pad each expert's rows to a multiple of this under bf16 on cpu (1: no padding; default: "
                              "rlhf.model.qwen3_moe.EXPERT_ROWS_MULTIPLE)")
@@ -153,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--expert-rows-multiple {args.expert_rows_multiple}: give 1 (no padding) or more, e.g. 64")
     if args.memory_categories and args.ranks != 1:  # torch's memory profiler fails on the collectives' outputs
         parser.error("--memory-categories profiles one rank: give --ranks 1 (it holds every expert)")
+    if not 0 <= args.table_rank < args.ranks:
+        parser.error(f"--table-rank {args.table_rank}: give a rank below --ranks {args.ranks}")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: give at least 1")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: give 1 or more")
     if args.micro_batch_tokens < 1:
@@ -172,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
                         args.profile_memory, args.memory_categories, args.expert_rows_multiple, args.threads,
-                        args.by_shape, timeout_s=1800)
-    print(results[0]["table"], file=sys.stderr)
+                        args.by_shape, args.steps, args.rows, timeout_s=1800)
+    print(results[args.table_rank]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],

@@ -16,9 +16,14 @@ Legend: N tokens, H hidden, V vocabulary, C tokens per chunk.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 
-from rlhf.model.layers import Scratch, autocast_dtype, cast_once, grad_into, transposed_once
+from rlhf.model.layers import Scratch, add_into, autocast_dtype, cast_once, grad_into, transposed_once
+
+log = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 1024  # tokens per matmul
 # an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
@@ -31,11 +36,96 @@ ROWS = 64
 # logits chunks (65 MB in bf16 for [1,024, 32,000]), reused across chunks, micro-batches and steps (`Scratch`);
 # `release_scratch` (the trainer's offload) hands them back
 SCRATCH = Scratch()
-GRAD_ROWS = 2048  # rows of the weight's gradient added into its fp32 buffer at a time (a bf16 block made fp32 in cache)
 
 
 def release_scratch() -> None:
     SCRATCH.release()
+
+
+def rows_forward(z_RV: torch.Tensor, targets_R: torch.Tensor, temperature: torch.Tensor | None):
+    """(lse, logp of the target, entropy) in fp32 of rows of logits (in the matmuls' dtype), divided by
+    `temperature` (None: 1)."""
+    z = z_RV.float()
+    if temperature is not None:
+        z = z / temperature
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    s = e.sum(-1)
+    lse = m.squeeze(1) + torch.log(s)
+    return lse, z.gather(1, targets_R[:, None]).squeeze(1) - lse, lse - (e * z).sum(-1) / s
+
+
+def rows_backward(z_RV: torch.Tensor, targets_R: torch.Tensor, lse_R: torch.Tensor, ent_R: torch.Tensor,
+                  g_logp_R: torch.Tensor, g_ent_R: torch.Tensor | None, temperature: torch.Tensor | None) -> None:
+    """dL/dz over rows of logits, written over them in place: g_logp (onehot(target) - p) - g_H p (log p + H),
+    divided by `temperature`."""
+    logp = z_RV.float()  # (in place from here: fresh [64, V] fp32 temporaries cost more than the arithmetic
+    if temperature is not None:  # in eager torch; z_RV itself when it is fp32, overwritten at the end anyway)
+        logp /= temperature
+    logp -= lse_R[:, None]
+    p = torch.exp(logp)
+    g_lp = g_logp_R[:, None]
+    if g_ent_R is None:
+        dz = p.mul_(-g_lp)
+    else:
+        dz = logp.add_(ent_R[:, None]).mul_(g_ent_R[:, None]).add_(g_lp).mul_(p).neg_()
+    if torch.compiler.is_compiling():  # fused: the target's column picked in the same pass
+        hit = torch.arange(z_RV.shape[1], device=z_RV.device)[None, :] == targets_R[:, None]
+        dz = torch.where(hit, dz + g_lp, dz)
+    else:
+        dz.scatter_add_(1, targets_R[:, None], g_lp)
+    if temperature is not None:
+        dz /= temperature
+    z_RV.copy_(dz)
+
+
+class RowKernels:
+    """`rows_forward` and `rows_backward`, compiled by torch.compile (inductor's C++ on cpu) where that pays: in
+    eager torch each is about ten passes over a [64, V] block (a copy to fp32, max, subtract, exp, sums, products),
+    compiled a few fused loops per row: forward 8.2 -> 1.7 ms, backward 5.6 -> 2.9 ms a [64, 32,000] block on one
+    thread (`python -m benchmarks.cpu_kernels --only head_rows`). The first call compiles (about 10 s; inductor's
+    cache on disk serves later processes); a compile that fails (no C++ compiler) is logged once and the eager
+    functions serve from then on."""
+
+    def __init__(self):
+        self.lock, self.compiled = threading.Lock(), None
+
+    def _compiled(self):
+        with self.lock:
+            if self.compiled is None:
+                self.compiled = (torch.compile(rows_forward, dynamic=True), torch.compile(rows_backward, dynamic=True))
+            return self.compiled
+
+    def _call(self, i: int, eager, *args):
+        compiled = self._compiled()
+        if compiled:
+            try:
+                return compiled[i](*args)
+            except Exception as e:  # noqa: BLE001 (inductor raises its own kinds; eager computes the same)
+                log.warning("the LM head's row kernels could not be compiled (%s: %s); running them in eager torch",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.compiled = False
+        return eager(*args)
+
+    def forward(self, *args):
+        return self._call(0, rows_forward, *args)
+
+    def backward(self, *args):
+        return self._call(1, rows_backward, *args)
+
+
+class EagerKernels:
+    forward, backward = staticmethod(rows_forward), staticmethod(rows_backward)
+
+
+COMPILE_MIN_VOCAB = 4096  # below it the blocks are small and the first call's compile would cost more than it saves
+COMPILED = RowKernels()
+
+
+def row_kernels(device: torch.device, vocab: int):
+    """The compiled row kernels on cpu for a vocabulary of COMPILE_MIN_VOCAB or more, else the eager ones (other
+    devices: eager until measured there)."""
+    return COMPILED if device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB else EagerKernels
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -48,20 +138,17 @@ class _HeadLogprobs(torch.autograd.Function):
         ent_N, lse_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
         keep = any(ctx.needs_input_grad[:2]) and N * w_VH.shape[0] * w_VH.element_size() <= KEEP_LOGITS_BYTES
         ctx.logits = [] if keep else None
+        kernels = row_kernels(hidden_NH.device, w_VH.shape[0])
+        temp = None if temperature == 1.0 else torch.tensor(temperature, dtype=torch.float32)
         for a in range(0, N, chunk):
             h_CH = hidden_NH[a:a + chunk].to(compute)
             zc_CV = torch.mm(h_CH, w_HV, out=SCRATCH.take((h_CH.shape[0], w_HV.shape[1]), compute, h_CH.device))
             if keep:  # the backward's dL/dz overwrites them in place: the same values it would recompute
                 ctx.logits.append(zc_CV)
             for r in range(0, zc_CV.shape[0], ROWS):
-                i, z_RV = a + r, zc_CV[r:r + ROWS].float()
-                if temperature != 1.0:
-                    z_RV = z_RV / temperature
-                lse_R = torch.logsumexp(z_RV, dim=-1)
-                n = lse_R.shape[0]
-                lse_N[i:i + n] = lse_R
-                logp_N[i:i + n] = z_RV.gather(1, targets_N[i:i + n, None]).squeeze(1) - lse_R
-                ent_N[i:i + n] = lse_R - torch.exp(z_RV - lse_R[:, None]).mul_(z_RV).sum(-1)
+                i, n = a + r, min(ROWS, zc_CV.shape[0] - r)
+                lse_N[i:i + n], logp_N[i:i + n], ent_N[i:i + n] = kernels.forward(
+                    zc_CV[r:r + n], targets_N[i:i + n], temp)
             if not keep:
                 SCRATCH.give(zc_CV)
         ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
@@ -83,6 +170,8 @@ class _HeadLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1] and into is None else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
         kept, ctx.logits = ctx.logits, None  # a second backward (retain_graph) recomputes them
+        kernels = row_kernels(hidden_NH.device, w_VH.shape[0])
+        temp = None if T == 1.0 else torch.tensor(T, dtype=torch.float32)
         for j, a in enumerate(range(0, hidden_NH.shape[0], chunk)):
             h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
             if kept is not None:  # the forward's logits; each row block is overwritten by its dL/dz
@@ -91,41 +180,15 @@ class _HeadLogprobs(torch.autograd.Function):
                 zc_CV = torch.mm(h_CH, w_VH.T, out=SCRATCH.take((h_CH.shape[0], w_VH.shape[0]), w_VH.dtype,
                                                                  h_CH.device))
             for r in range(0, zc_CV.shape[0], ROWS):
-                i, rows = a + r, slice(r, r + ROWS)
-                # log p = z - lse (the forward's lse: no second logsumexp); a view of zc_CV when it is fp32
-                logp_RV = zc_CV[rows].float()
-                if T != 1.0:
-                    logp_RV /= T
-                n = logp_RV.shape[0]
-                logp_RV -= lse_N[i:i + n, None]
-                p_RV = torch.exp(logp_RV)
-                g_lp = g_logp_N[i:i + n, None]
-                # dL/dz = g_logp (onehot - p) - g_H p (log p + H); without an entropy gradient only the first term
-                if g_ent_N is None:
-                    dz_RV = p_RV.mul_(-g_lp)
-                else:
-                    g_h = g_ent_N[i:i + n, None].float()
-                    dz_RV = logp_RV.add_(ent_N[i:i + n, None]).mul_(g_h).add_(g_lp).mul_(p_RV).neg_()
-                dz_RV.scatter_add_(1, targets_N[i:i + n, None], g_lp)
-                if T != 1.0:
-                    dz_RV /= T
-                zc_CV[rows] = dz_RV
+                i, n = a + r, min(ROWS, zc_CV.shape[0] - r)
+                kernels.backward(zc_CV[r:r + n], targets_N[i:i + n], lse_N[i:i + n], ent_N[i:i + n],
+                                 g_logp_N[i:i + n], None if g_ent_N is None else g_ent_N[i:i + n].float(), temp)
             if grad_h is not None:
                 grad_h[a:a + chunk] = zc_CV @ w_VH
             if into is not None or grad_w is not None:  # (a bf16 [V, H] product is under glibc's mmap threshold)
-                _add_rows(into if into is not None else grad_w, zc_CV.T @ h_CH)
+                add_into(into if into is not None else grad_w, zc_CV.T @ h_CH)
             SCRATCH.give(zc_CV)
         return grad_h, None if grad_w is None else grad_w.to(ctx.weight_dtype), None, None, None, None
-
-
-def _add_rows(into: torch.Tensor, g: torch.Tensor) -> None:
-    """into += g, a block of rows at a time where g is narrower than into (bf16 into fp32: a mixed-dtype add_ runs
-    at a third of a cast block by block plus an fp32 add)."""
-    if g.dtype == into.dtype:
-        into.add_(g)
-        return
-    for r in range(0, g.shape[0], GRAD_ROWS):
-        into[r:r + GRAD_ROWS].add_(g[r:r + GRAD_ROWS].to(into.dtype))
 
 
 def head_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor,

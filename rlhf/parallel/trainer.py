@@ -323,7 +323,7 @@ class ParallelTrainer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.trained.items():
             copies = replicas_of(name, self.groups) // (self.row_shards[name].n if name in self.row_shards else 1)
-            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square() / copies  # fp64 without a copy
+            sq += squares_fp64(p.grad) / copies
         torch.distributed.all_reduce(sq)
         norm = sq.sqrt().float()
         if max_norm > 0:
@@ -486,6 +486,27 @@ class ParallelTrainer:
         rows = [b.last_tokens_per_expert for b in self._moe_blocks()]
         stats = torch.stack(rows) if rows else torch.zeros(0, self.cfg.num_experts, dtype=torch.long, device=self.device)
         return all_reduce(stats, self.groups.stage)
+
+
+SQUARES_BLOCK = 1 << 16  # elements made fp64 at a time (512 KB: in cache)
+
+
+def squares_fp64(t: torch.Tensor) -> torch.Tensor:
+    """The sum of t's squared elements in fp64 (a 0-d fp64 tensor): fp32 squares are exact in fp64, so shards of a
+    gradient summed in any order give the same norm to fp64 rounding. Block by block: torch's
+    `vector_norm(dtype=float64)` converts element by element at 5 ns each (88 ms a [32,000, 512] gradient on one
+    thread; 19 ms so). Other devices: torch's in one kernel."""
+    if t.device.type != "cpu":
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    flat = t.reshape(-1)
+    if flat.dtype == torch.float64 or flat.numel() <= SQUARES_BLOCK:
+        b = flat.double()
+        return torch.dot(b, b)
+    sq = torch.zeros((), dtype=torch.float64, device=t.device)
+    for i in range(0, flat.numel(), SQUARES_BLOCK):
+        b = flat[i:i + SQUARES_BLOCK].double()
+        sq += torch.dot(b, b)
+    return sq
 
 
 def _checkpointed(fn):

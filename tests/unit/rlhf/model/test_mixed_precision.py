@@ -181,7 +181,7 @@ def test_a_steps_casts_kept_give_the_same_gradients_as_casting_every_micro_batch
     each = grads()
     casts = []
     to = torch.Tensor.to
-    torch.Tensor.to = lambda self, *a, **k: casts.append(self.shape) or to(self, *a, **k)
+    torch.Tensor.to = lambda self, *a, **k: casts.append((self.shape, self.dtype)) or to(self, *a, **k)
     try:
         with casts_kept("cpu", torch.bfloat16):
             for ids in batches:
@@ -193,7 +193,8 @@ def test_a_steps_casts_kept_give_the_same_gradients_as_casting_every_micro_batch
     once = grads()
     assert each.keys() == once.keys()
     assert all(torch.equal(each[n], once[n]) for n in each), [n for n in each if not torch.equal(each[n], once[n])]
-    stacks = [s for s in casts if s == model.model.layers[1].mlp.experts.gate_up_proj.shape]
+    stacks = [s for s, dtype in casts if s == model.model.layers[1].mlp.experts.gate_up_proj.shape
+              and dtype is torch.float32]  # (the first backward's bf16 gradients are cast back to fp32 too)
     assert len(stacks) == QWEN.num_hidden_layers - QWEN.first_k_dense_layers  # once per layer, not per micro-batch
 
 
@@ -214,6 +215,33 @@ def test_cast_once_hands_out_one_copy_until_the_scope_closes_or_the_parameter_ch
     assert cast_once(p, torch.bfloat16) is not b
     with casts_kept("cpu", None):  # fp32 compute: no autocast, nothing kept
         assert not torch.is_autocast_enabled("cpu") and cast_once(p, torch.bfloat16) is not cast_once(p, torch.bfloat16)
+
+
+def test_a_cast_once_weight_adds_each_micro_batchs_gradient_into_its_buffer_in_place(monkeypatch):
+    """A weight cast once per step whose fp32 gradient buffer is there (the trainer's, zeroed before a step) gets
+    each micro-batch's bf16 gradient cast and added into that buffer block by block: the same storage throughout
+    and the sums autograd's cast-and-accumulate gives, bit for bit; with no buffer yet, autograd's gradient."""
+    import rlhf.model.layers as layers
+
+    monkeypatch.setattr(layers, "ADD_BLOCK", 7)  # several blocks of rows over a [3, 5, 4] stack
+    added = []
+    add_into = layers.add_into
+    monkeypatch.setattr(layers, "add_into", lambda into, grad: added.append(grad.dtype) or add_into(into, grad))
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(6, 4, generator=g) for _ in range(3)]
+    plain, fused = torch.nn.Parameter(torch.randn(3, 5, 4, generator=g)), None
+    fused = torch.nn.Parameter(plain.detach().clone())
+    for x in xs:
+        (plain.bfloat16() @ x.bfloat16().T).float().pow(2).sum().backward()
+    with layers.casts_kept("cpu", torch.bfloat16):
+        w = layers.cast_once(fused, torch.bfloat16)
+        for i, x in enumerate(xs):
+            with layers.autocast_off("cpu"):
+                (w @ x.bfloat16().T).float().pow(2).sum().backward()
+            if i == 0:
+                buffer = fused.grad  # the first backward: no buffer yet, autograd's own gradient
+    assert fused.grad is buffer and torch.equal(fused.grad, plain.grad)
+    assert added == [torch.bfloat16] * 2  # the second and third micro-batches: no fp32 copy of the gradient
 
 
 def test_the_residual_stream_is_bf16_under_autocast_and_the_parameters_stay_fp32():
