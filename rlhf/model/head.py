@@ -48,11 +48,16 @@ def rows_forward(z_RV: torch.Tensor, targets_R: torch.Tensor, temperature: torch
     z = z_RV.float()
     if temperature is not None:
         z = z / temperature
-    m = z.amax(-1, keepdim=True)
-    e = torch.exp(z - m)
-    s = e.sum(-1)
-    lse = m.squeeze(1) + torch.log(s)
-    return lse, z.gather(1, targets_R[:, None]).squeeze(1) - lse, lse - (e * z).sum(-1) / s
+    if torch.compiler.is_compiling():  # one exp pass for both sums
+        m = z.amax(-1, keepdim=True)
+        e = torch.exp(z - m)
+        s = e.sum(-1)
+        lse = m.squeeze(1) + torch.log(s)
+        ent = lse - (e * z).sum(-1) / s
+    else:  # the eager head's arithmetic as it was before it was compiled: the same values, bit for bit
+        lse = torch.logsumexp(z, dim=-1)
+        ent = lse - torch.exp(z - lse[:, None]).mul_(z).sum(-1)
+    return lse, z.gather(1, targets_R[:, None]).squeeze(1) - lse, ent
 
 
 def rows_backward(z_RV: torch.Tensor, targets_R: torch.Tensor, lse_R: torch.Tensor, ent_R: torch.Tensor,
@@ -82,10 +87,10 @@ def rows_backward(z_RV: torch.Tensor, targets_R: torch.Tensor, lse_R: torch.Tens
 class RowKernels:
     """`rows_forward` and `rows_backward`, compiled by torch.compile (inductor's C++ on cpu) where that pays: in
     eager torch each is about ten passes over a [64, V] block (a copy to fp32, max, subtract, exp, sums, products),
-    compiled a few fused loops per row: forward 8.2 -> 1.7 ms, backward 5.6 -> 2.9 ms a [64, 32,000] block on one
-    thread (`python -m benchmarks.cpu_kernels --only head_rows`). The first call compiles (about 10 s; inductor's
-    cache on disk serves later processes); a compile that fails (no C++ compiler) is logged once and the eager
-    functions serve from then on."""
+    compiled a few fused loops per row: forward 8.5-10.6 -> 2.1-2.2 ms, backward 6.1-6.5 -> 3.3-3.4 ms a
+    [64, 32,000] block on one thread (`python -m benchmarks.cpu_kernels --only head_rows`). The first call in a
+    process compiles (8-11 s, inductor's cache on disk or not); a compile that fails (no C++ compiler) is logged
+    once and the eager functions serve from then on."""
 
     def __init__(self):
         self.lock, self.compiled = threading.Lock(), None

@@ -495,13 +495,10 @@ def squares_fp64(t: torch.Tensor) -> torch.Tensor:
     """The sum of t's squared elements in fp64 (a 0-d fp64 tensor): fp32 squares are exact in fp64, so shards of a
     gradient summed in any order give the same norm to fp64 rounding. Block by block: torch's
     `vector_norm(dtype=float64)` converts element by element at 5 ns each (88 ms a [32,000, 512] gradient on one
-    thread; 19 ms so). Other devices: torch's in one kernel."""
-    if t.device.type != "cpu":
-        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    thread; 19 ms so). Other devices, and tensors of one block: torch's."""
     flat = t.reshape(-1)
-    if flat.dtype == torch.float64 or flat.numel() <= SQUARES_BLOCK:
-        b = flat.double()
-        return torch.dot(b, b)
+    if t.device.type != "cpu" or flat.numel() <= SQUARES_BLOCK:  # (small ones as before: the same value, bit for bit)
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
     sq = torch.zeros((), dtype=torch.float64, device=t.device)
     for i in range(0, flat.numel(), SQUARES_BLOCK):
         b = flat[i:i + SQUARES_BLOCK].double()
