@@ -66,8 +66,9 @@ def add_into(into: torch.Tensor, g: torch.Tensor) -> None:
 class _CastInto(torch.autograd.Function):
     """`p.to(dtype)` for a parameter cast once per step (`cast_once`), whose backward adds each micro-batch's
     gradient into p's fp32 gradient buffer in place (`grad_into`, `add_into`) instead of autograd's fresh fp32
-    copy of it that AccumulateGrad then adds: the experts' [16, 1,024, 512] bf16 gradients per layer and micro-batch
-    on the small model. Nothing is saved for the backward, so the one cast serves every micro-batch's backward."""
+    copy of it that AccumulateGrad then adds: the experts' [16, 512, 512] and [16, 512, 256] bf16 gradients per
+    layer and micro-batch on the small model's EP rank. Nothing is saved for the backward, so the one cast serves
+    every micro-batch's backward."""
 
     @staticmethod
     def forward(ctx, p, dtype):
