@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind six choices and one open question, one thread, the small run's shapes:
+"""The cpu kernel timings behind seven choices, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
