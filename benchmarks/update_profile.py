@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--memory-categories profiles one rank: give --ranks 1 (it holds every expert)")
     if not 0 <= args.table_rank < args.ranks:
         parser.error(f"--table-rank {args.table_rank}: give a rank below --ranks {args.ranks}")
+    if args.rows is not None and args.rows < 1:
+        parser.error(f"--rows {args.rows}: give at least 1")
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: give at least 1")
     if args.threads < 1:

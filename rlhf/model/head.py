@@ -96,10 +96,12 @@ class RowKernels:
         self.lock, self.compiled = threading.Lock(), None
 
     def _compiled(self):
-        with self.lock:
-            if self.compiled is None:
-                self.compiled = (torch.compile(rows_forward, dynamic=True), torch.compile(rows_backward, dynamic=True))
-            return self.compiled
+        if self.compiled is None:  # (the lock only until they exist: this runs for every 64-row block)
+            with self.lock:
+                if self.compiled is None:
+                    self.compiled = (torch.compile(rows_forward, dynamic=True),
+                                     torch.compile(rows_backward, dynamic=True))
+        return self.compiled
 
     def _call(self, i: int, eager, *args):
         compiled = self._compiled()
@@ -159,13 +161,13 @@ class _HeadLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden_NH, w_VH, targets_N, ent_N, lse_N)
         ctx.param = weight_VH if weight_VH.is_leaf else None  # (a gathered ZeRO-3 weight is not a leaf)
         ctx.weight_dtype = weight_VH.dtype
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.chunk, ctx.kernels, ctx.temp = chunk, kernels, temp
         return logp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
         hidden_NH, w_VH, targets_N, ent_N, lse_N = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        chunk = ctx.chunk
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         # the weight's gradient: added into its fp32 gradient buffer in place where there is one (`grad_into`),
         # else summed over the chunks in fp32 and returned
@@ -175,8 +177,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1] and into is None else None
         g_logp_N = torch.zeros_like(ent_N) if g_logp_N is None else g_logp_N.float()
         kept, ctx.logits = ctx.logits, None  # a second backward (retain_graph) recomputes them
-        kernels = row_kernels(hidden_NH.device, w_VH.shape[0])
-        temp = None if T == 1.0 else torch.tensor(T, dtype=torch.float32)
+        kernels, temp = ctx.kernels, ctx.temp
         for j, a in enumerate(range(0, hidden_NH.shape[0], chunk)):
             h_CH = hidden_NH[a:a + chunk].to(w_VH.dtype)
             if kept is not None:  # the forward's logits; each row block is overwritten by its dL/dz

@@ -42,3 +42,9 @@ def test_head_rows_part_times_eager_and_compiled_kernels(capsys):
     assert out["head_rows_compiled"] is True
     for key in ("forward_eager", "forward_compiled", "backward_eager", "backward_compiled"):
         assert out[f"head_rows_{key}_ms"] > 0
+
+
+def test_grad_norm_part_times_both_sums_of_squares(capsys):
+    main(["--only", "grad_norm", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["grad_norm_vector_norm_fp64_ms"] > 0 and out["grad_norm_squares_fp64_ms"] > 0
