@@ -231,11 +231,12 @@ def settle(refs, timeout_s: float) -> None:
 
 def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None,
           placement_group=None, bundle_index: int | None = None, name_prefix: str = "", max_concurrency: int = 1,
-          probe_s: float = 0.0, **kwargs) -> RoleHandle:
+          probe_s: float = 0.0, env: dict[str, str] | None = None, **kwargs) -> RoleHandle:
     """Start `cls(*args, **kwargs)` as a Ray actor (in a placement-group bundle when given). `max_concurrency`
     > 1: calls run on that many threads (the class synchronises them itself). `probe_s` > 0: liveness probes
     (its `pid` method) are answered on a thread of their own, beside the running call (`RoleHandle.probe`),
-    and one unanswered for `probe_s` seconds means the actor hangs."""
+    and one unanswered for `probe_s` seconds means the actor hangs. `env`: variables the actor's process starts with
+    (Ray's runtime_env; for what a process reads only at its start)."""
     import ray
 
     options: dict = {"num_cpus": num_cpus, "name": f"{name_prefix}{role}-{rank}", "max_restarts": 0}
@@ -245,6 +246,8 @@ def spawn(cls, role: str, rank: int, *args, num_cpus: float = 1, num_gpus: float
         options["num_gpus"] = num_gpus
     if resources:
         options["resources"] = resources
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
     if placement_group is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

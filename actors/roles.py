@@ -24,7 +24,7 @@ from actors.remote import RoleError, RoleHandle, call_all, call_each, spawn
 from actors.replies import LogprobsReply, ScoreReply, SyncReplies
 from actors.vllm.platform import SHUTDOWN_GRACE_S
 from rlhf.data.sampler import prompt_seed
-from rlhf.schema import RewardKind, RoutingReplay, RunConfig
+from rlhf.schema import DeviceType, RewardKind, RoutingReplay, RunConfig
 
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
 
@@ -73,6 +73,7 @@ class Roles:
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm.engine import VLLMEngine
         from rlhf.parallel.comm import backend_for
+        from rlhf.host_memory import huge_page_env
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
         p = cfg.placement
@@ -93,10 +94,12 @@ class Roles:
         def start_policy(stale_pids: Sequence[int] = ()) -> tuple[list[RoleHandle], list[RoleHandle]]:
             """Trainer and reference ranks on their slots; `stale_pids`: the processes they replace."""
             probe_s = cfg.trainer.liveness_probe_s
+            env = huge_page_env() if dt is DeviceType.cpu else None  # its heap comes back at every update
             trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
-                             stale_pids=tuple(stale_pids), probe_s=probe_s, **slot("trainer", r)) for r in range(W)]
+                             stale_pids=tuple(stale_pids), probe_s=probe_s, env=env, **slot("trainer", r))
+                       for r in range(W)]
             reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
-                               probe_s=probe_s, **slot("reference", r)) for r in range(W)] \
+                               probe_s=probe_s, env=env, **slot("reference", r)) for r in range(W)] \
                 if "reference" in dm.role_names else []
             return trainer, reference
 
@@ -473,7 +476,6 @@ def connect(p, log=print) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         log(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']}")
         return True
-    from rlhf.schema import DeviceType
 
     devices = p.nodes * p.devices_per_node
     resources = {p.device_resource: devices} if p.device_type is DeviceType.cpu else {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
            compute_dtype: str | None = None, profile: bool = True, micro_batch_tokens: int = 4096,
            profile_memory: bool = False, memory_categories: bool = False,
            expert_rows_multiple: int | None = None, threads: int = 1, by_shape: bool = False,
-           steps: int = 2, rows: int | None = None) -> dict:
+           steps: int = 2, rows: int | None = None, offload: bool = False) -> dict:
     import torch
 
     if expert_rows_multiple is not None:  # the bf16 experts' row padding on cpu (1: none)
@@ -69,6 +70,9 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
 
     seconds = []
     for _ in range(steps):
+        if offload and seconds:  # as a co-located run: the trainer offloaded between its updates
+            trainer.offload()
+            trainer.onload()
         t0 = time.perf_counter()
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-rows-multiple", type=int, default=None,
                         help="pad each expert's rows to a multiple of this under bf16 on cpu (1: no padding; default: "
                              "rlhf.model.qwen3_moe.EXPERT_ROWS_MULTIPLE)")
+    parser.add_argument("--offload", action="store_true",
+                        help="offload and onload the trainer between steps, as a co-located run does (on cpu its "
+                             "freed heap goes back to the system: the next step faults its pages in again)")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="the ranks' malloc without transparent huge pages (a run's trainer asks for them on cpu: "
+                             "rlhf.host_memory.huge_page_env)")
     args = parser.parse_args(argv)
     if args.expert_rows_multiple is not None and args.expert_rows_multiple < 1:
         parser.error(f"--expert-rows-multiple {args.expert_rows_multiple}: give 1 (no padding) or more, e.g. 64")
@@ -171,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
 
     from rlhf.config import load_model_config
+    from rlhf.host_memory import huge_page_env
     from rlhf.model.hf_io import save_pretrained
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
     from rlhf.parallel.launch import run_ranks
@@ -181,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         model = Qwen3MoeForCausalLM(cfg)
         model.init_weights(0, std=0.02)
         save_pretrained(model, model_dir)
+    if not args.no_huge_pages:
+        os.environ.update(huge_page_env())  # as a run's trainer processes start (the ranks inherit it)
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
                         args.profile_memory, args.memory_categories, args.expert_rows_multiple, args.threads,
-                        args.by_shape, args.steps, args.rows, timeout_s=1800)
+                        args.by_shape, args.steps, args.rows, args.offload, timeout_s=1800)
     print(results[args.table_rank]["table"], file=sys.stderr)
     print(json.dumps({"model": cfg.name, "ranks": args.ranks, "samples_per_rank": args.samples_per_rank,
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,

@@ -35,9 +35,13 @@ _ALIGN = 64  # bytes: every buffer starts on a cache line
 
 class AnonymousBuffers(dict):
     """name -> tensor of the given shape and dtype, all in one anonymous mapping, zeros at first, in the given
-    order, each starting on a cache line (`packed`: right after the one before it, no gap between them)."""
+    order, each starting on a cache line (`packed`: right after the one before it, no gap between them).
+    `huge_pages`: the mapping asks the kernel for transparent huge pages (`madvise(MADV_HUGEPAGE)`), so that
+    refilling it after each release faults 2 MiB at a time instead of 4 KiB (where the kernel's THP setting is
+    `madvise` or `always`; a no-op under `never`)."""
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, packed: bool = False):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, packed: bool = False,
+                 huge_pages: bool = False):
         item = torch.empty((), dtype=dtype).element_size()
         align = item if packed else _ALIGN
         sizes = {name: math.prod(shape) * item for name, shape in shapes.items()}
@@ -46,6 +50,8 @@ class AnonymousBuffers(dict):
             starts[name], total = total, total + -(-n // align) * align
         # private: MADV_DONTNEED frees the pages (a shared mapping would keep them in shmem, and its contents)
         self._map = mmap.mmap(-1, max(total, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         super().__init__({name: raw[starts[name]:starts[name] + sizes[name]].view(dtype).view(shape)
                           for name, shape in shapes.items()})
@@ -112,6 +118,24 @@ def trim_heap(at_least: int = 64 << 20) -> bool:
     if trim is None or free is None or free < at_least:
         return False
     return bool(trim(0))
+
+
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
+
+
+def huge_page_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a trainer process on cpu starts with: glibc's malloc asks for transparent huge pages on the
+    memory it maps (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35 and later; older ones ignore it). A
+    co-located trainer hands its freed heap back at each offload (`trim_heap`) and faults it in again at the next
+    update: 2 MiB at a time instead of 4 KiB, the update's page faults halve and the update on cpu takes 0.6-0.8 s
+    less of 6-7 s (docs/throughput.md). Read once, when the process starts, so it is given to the process
+    (a Ray actor's `runtime_env`), never set inside it. Tunables already in `environ` (this process's environment by
+    default) are kept, and one that sets `glibc.malloc.hugetlb` itself wins."""
+    environ = os.environ if environ is None else environ
+    given = environ.get("GLIBC_TUNABLES", "")
+    if any(part.split("=", 1)[0] == HUGE_PAGE_TUNABLE for part in given.split(":") if part):
+        return {"GLIBC_TUNABLES": given}
+    return {"GLIBC_TUNABLES": ":".join(p for p in (given, f"{HUGE_PAGE_TUNABLE}=1") if p)}
 
 
 ONEDNN_CACHE_CAPACITY = 256  # oneDNN primitives a trainer process keeps (oneDNN's own default: 1,024)

@@ -31,7 +31,7 @@ class Gradients:
             at = {id(p): i for i, p in enumerate(p for b in buckets for p in b.params)}
             order = sorted(t, key=lambda n: at.get(id(t[n]), len(at)))
             self.buffers = AnonymousBuffers({n: tuple(t[n].shape) for n in order}, next(iter(t.values())).dtype,
-                                            packed=True)
+                                            packed=True, huge_pages=True)
         for n, p in t.items():
             mine = None if self.buffers is None else self.buffers[n]
             if mine is not None and (p.grad is None or p.grad.data_ptr() != mine.data_ptr()):

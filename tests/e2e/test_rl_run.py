@@ -6,6 +6,7 @@ and the trace exist, and an interrupted run continues to the same results as the
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,7 @@ def killed_families():
 ROLES = ("ray::TrainerWorker", "ray::PolicyWorker", "ray::VLLMEngine", "ray::RuleRewardWorker")
 LISTENING: dict[int, set] = {}  # the short run's role processes: pid -> {(address, port)} seen listening
 TITLES: dict[int, str] = {}  # pid -> its process title (ray::<role class>...)
+TUNABLES: dict[int, str | None] = {}  # pid -> GLIBC_TUNABLES its process started with
 
 
 def _sample_listeners(stop) -> None:
@@ -91,6 +93,7 @@ def _sample_listeners(stop) -> None:
                 continue
             try:
                 conns = p.net_connections(kind="tcp")
+                TUNABLES.setdefault(p.info["pid"], p.environ().get("GLIBC_TUNABLES"))
             except (psutil.Error, OSError):
                 continue
             TITLES[p.info["pid"]] = title
@@ -129,6 +132,18 @@ def test_a_local_run_listens_on_loopback_but_for_rays_own_server(short_run):
     wider = {TITLES[pid]: sorted(a for a in seen if not ipaddress.ip_address(a[0]).is_loopback)
              for pid, seen in LISTENING.items()}
     assert all(len(a) <= 1 and all(ip in ("0.0.0.0", "::") for ip, _ in a) for a in wider.values()), wider
+
+
+def test_trainer_processes_start_with_huge_pages_and_engines_without(short_run):
+    """rlhf.host_memory.huge_page_env: a trainer (and reference) rank on cpu refaults its heap every update; the
+    engines are left as they are."""
+    from rlhf.host_memory import huge_page_env
+
+    seen = [(TITLES[pid], tunables) for pid, tunables in TUNABLES.items() if pid in TITLES]
+    trainers = [t for title, t in seen if title.startswith(("ray::TrainerWorker", "ray::PolicyWorker"))]
+    assert trainers and all(t == huge_page_env()["GLIBC_TUNABLES"] for t in trainers), seen
+    engines = [t for title, t in seen if title.startswith("ray::VLLMEngine")]
+    assert engines and all(t == os.environ.get("GLIBC_TUNABLES") for t in engines), seen
 
 
 def test_reward_rises_and_every_sync_is_exact(short_run):

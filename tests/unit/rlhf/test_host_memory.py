@@ -101,3 +101,77 @@ def test_onednn_cache_capped_unless_the_environment_says_otherwise(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")  # a user's own choice stands
     small_onednn_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_advised() -> bool:
+    try:
+        with open(THP) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_huge_page_env_adds_the_tunable_and_keeps_the_users():
+    from rlhf.host_memory import huge_page_env
+
+    assert huge_page_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    off = "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"  # a user's own choice stands
+    assert huge_page_env({"GLIBC_TUNABLES": off}) == {"GLIBC_TUNABLES": off}
+
+
+@pytest.mark.skipif(not _thp_advised(), reason=f"the kernel offers no transparent huge pages ({THP})")
+def test_huge_page_buffers_are_advised_and_still_release():
+    n = 8 << 20  # 32 MiB of float32
+    plain = AnonymousBuffers({"w": (n,)}, torch.float32)
+    huge = AnonymousBuffers({"w": (n,)}, torch.float32, huge_pages=True)
+    assert "hg" not in _vm_flags(plain["w"].data_ptr())
+    assert "hg" in _vm_flags(huge["w"].data_ptr())  # MADV_HUGEPAGE on the mapping
+    w = huge["w"]
+    w.fill_(1.5)
+    touched = _rss()
+    huge.release()
+    assert touched - _rss() > 28 << 20 and not w.any()
+
+
+@pytest.mark.skipif(not _thp_advised(), reason=f"the kernel offers no transparent huge pages ({THP})")
+def test_a_process_started_with_huge_page_env_maps_its_heap_with_huge_pages():
+    """What a trainer process on cpu starts with: glibc's malloc advises huge pages on the large blocks it maps
+    (a glibc before 2.35 ignores the tunable: skipped there)."""
+    import subprocess
+    import sys
+
+    from rlhf.host_memory import huge_page_env
+
+    if tuple(int(x) for x in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2]) < (2, 35):
+        pytest.skip("glibc.malloc.hugetlb needs glibc 2.35 or later")
+    probe = ("import sys; sys.path.insert(0, %r); import torch; from tests.unit.rlhf.test_host_memory import _vm_flags;"
+             "t = torch.ones(64 << 20, dtype=torch.uint8); print('hg' in _vm_flags(t.data_ptr()))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    def advised(env: dict) -> bool:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | env
+        out = subprocess.run([sys.executable, "-c", probe % root], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip() == "True"
+
+    assert advised(huge_page_env({}))
+    assert not advised({})
