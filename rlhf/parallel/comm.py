@@ -117,6 +117,11 @@ def build_groups(layout: Layout, rank: int, timeout_s: float = 120.0, kv_heads: 
     return LayoutGroups(layout, rank, ranks=ranks, **mine)
 
 
+# torch >= 2.10 names the flat-tensor collectives *_single; older ones *_into_tensor / *_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
@@ -125,16 +130,34 @@ def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
     """Sum the tensors over `group`: flat all-reduces of about `bucket_bytes` each (a tensor larger than that
-    alone), so the copy made for them is one bucket at a time, not all of them at once."""
+    alone), so the copy made for them is one bucket at a time, not all of them at once; none where a bucket's
+    tensors lie back to back in one storage (the trainer's gradient buffer on cpu): the collective then runs on
+    a view of them (the same bytes in the same order, so the same sums)."""
     if group is None:
         return
     for bucket in _buckets(tensors, bucket_bytes):
-        if len(bucket) == 1 and bucket[0].is_contiguous():
-            all_reduce(bucket[0], group)
+        together = flat_view(bucket, 0, sum(t.numel() for t in bucket))
+        if together is not None:
+            all_reduce(together, group)
             continue
         flat = all_reduce(torch.cat([t.reshape(-1) for t in bucket]), group)
         for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
             t.copy_(part.view_as(t))
+
+
+def flat_view(tensors, lo: int, hi: int) -> torch.Tensor | None:
+    """The flat range [lo, hi) of the tensors laid end to end, as one view, where they lie back to back in one
+    storage, each contiguous; else None."""
+    if not tensors or any(t is None or not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    storage, item = tensors[0].untyped_storage(), tensors[0].element_size()
+    end = tensors[0].data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += t.numel() * item
+    first = (tensors[0].data_ptr() - storage.data_ptr()) // item
+    return tensors[0].new_empty(0).set_(storage, first + lo, (hi - lo,), (1,))
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int):

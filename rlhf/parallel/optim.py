@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlhf.parallel.comm import all_gather_single, flat_view
+
 GATHER_BYTES = 32 << 20  # a ZeRO-1 bucket's stepped slices are gathered back this much of each at a time
 
 
@@ -71,7 +73,7 @@ class ShardedAdamW:
         a bucket's gradients lie back to back in memory (the trainer's gradient buffer on cpu) the slice is a view
         of them, no copy at all (0.28 GB per rank of the small model)."""
         for b in self.buckets:
-            g = _flat_view([p.grad for p in b.params], b.lo, b.hi)
+            g = flat_view([p.grad for p in b.params], b.lo, b.hi)
             if g is None or g.dtype != b.master.dtype:
                 g = torch.empty_like(b.master)
                 for p, at, to, n in _segments(b.params, b.lo, b.hi):
@@ -85,14 +87,16 @@ class ShardedAdamW:
                     if not _views_of(b.params, mine):  # no longer (an offload to another device copied them)
                         _write(b.params, 0, mine)
                 else:  # in pieces of GATHER_BYTES a slice: the gathered copy of a whole bucket peaked the step
-                    every = max(1, GATHER_BYTES // mine.element_size())
+                    every = max(1, min(b.chunk, GATHER_BYTES // mine.element_size()))
+                    # one flat buffer for every piece: a list of parts made gloo copy each piece in and out again
+                    gathered = mine.new_empty(b.size * every)
                     for s in range(0, b.chunk, every):
                         e = min(b.chunk, s + every)
                         piece = mine[s:e]
                         if piece.numel() < e - s:  # the last slice is padded (or empty) to the common length
                             piece = torch.cat([piece, piece.new_zeros(e - s - piece.numel())])
-                        parts = [torch.empty_like(piece) for _ in range(b.size)]
-                        dist.all_gather(parts, piece, group=b.group)
+                        parts = gathered[:b.size * (e - s)].view(b.size, e - s)
+                        all_gather_single(parts.view(-1), piece, group=b.group)
                         for i, part in enumerate(parts):
                             at = i * b.chunk + s
                             _write(b.params, at, part[:max(0, min(e - s, b.numel - at))])
@@ -204,24 +208,9 @@ def _segments(params, lo: int, hi: int):
         offset += n
 
 
-def _flat_view(tensors, lo: int, hi: int) -> torch.Tensor | None:
-    """The flat range [lo, hi) of the tensors laid end to end, as one view, where they lie back to back in one
-    storage, each contiguous; else None."""
-    if not tensors or any(t is None or not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors):
-        return None
-    storage, item = tensors[0].untyped_storage(), tensors[0].element_size()
-    end = tensors[0].data_ptr()
-    for t in tensors:
-        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
-        end += t.numel() * item
-    first = (tensors[0].data_ptr() - storage.data_ptr()) // item
-    return tensors[0].new_empty(0).set_(storage, first + lo, (hi - lo,), (1,))
-
-
 def _views_of(params, flat: torch.Tensor) -> bool:
     """Whether the parameters laid end to end are `flat` itself (the same memory)."""
-    view = _flat_view([p.detach() for p in params], 0, flat.numel())
+    view = flat_view([p.detach() for p in params], 0, flat.numel())
     return view is not None and view.data_ptr() == flat.data_ptr() and view.numel() == flat.numel()
 
 

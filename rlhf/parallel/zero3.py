@@ -28,14 +28,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from rlhf.parallel.comm import all_gather_single, reduce_scatter_single
 from rlhf.sharding.trainer import shard_rows
 
-# torch >= 2.10 names the flat-tensor collectives *_single; older ones *_into_tensor / *_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _UNIT = re.compile(r"^(model\.layers\.\d+\.[^.]+)\.")
 
@@ -79,7 +76,7 @@ class _GatherRows(torch.autograd.Function):
             flat[off:off + s.numel()] = s.reshape(-1)
             off += size
         out = flat.new_empty(n * flat.numel())
-        _all_gather(out, flat, group=group)
+        all_gather_single(out, flat, group=group)
         out = out.view(n, -1)
         fulls, off = [], 0
         for m, size in zip(metas, sizes):
@@ -102,7 +99,7 @@ class _GatherRows(torch.autograd.Function):
                 flat[:, off:off + size] = padded.view(n, size)
             off += size
         mine = flat.new_empty(sum(sizes))
-        _reduce_scatter(mine, flat.view(-1), group=ctx.group)
+        reduce_scatter_single(mine, flat.view(-1), group=ctx.group)
         out, off = [], 0
         for m, size in zip(metas, sizes):
             lo, hi = m.rows

@@ -8,7 +8,8 @@ from rlhf.schema import Architecture, Attention, DType, MLAConfig, ModelConfig, 
 from rlhf.model.hf_io import save_pretrained, to_hf_tensors
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM, router_bias_update
 from rlhf.parallel.launch import run_ranks
-from rlhf.parallel.optim import _flat_view, _views_of
+from rlhf.parallel.comm import flat_view
+from rlhf.parallel.optim import _views_of
 from rlhf.batch import MicroBatch
 from rlhf.parallel.trainer import ParallelTrainer, token_logprobs
 from rlhf.sharding.layout import Layout
@@ -110,7 +111,7 @@ def worker(rank, layout, model_dir, kw):
             res["norm"] = stats["grad_norm"]
             res["grads"] = {n: p.grad.clone() for n, p in tr.trained.items()}
             # cpu: each optimizer bucket's gradient slice is a view of the gradient buffer, not a copy
-            res["grad_views"] = [_flat_view([p.grad for p in b.params], b.lo, b.hi) is not None
+            res["grad_views"] = [flat_view([p.grad for p in b.params], b.lo, b.hi) is not None
                                  for b in tr.optimizer.buckets]
     res["loads"] = tr.router_stats().clone()
     res["moe_layers"] = [i - tr.cfg.first_k_dense_layers for i in tr.stages[tr.stage] if i >= tr.cfg.first_k_dense_layers]
