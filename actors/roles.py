@@ -72,8 +72,8 @@ class Roles:
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm.engine import VLLMEngine
-        from rlhf.parallel.comm import backend_for
         from rlhf.host_memory import huge_page_env
+        from rlhf.parallel.comm import backend_for
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
         p = cfg.placement
