@@ -463,7 +463,7 @@ class VLLMEngine:
         with self._generating_call():
             self._check_serving()
             self._prefix_cache_current()
-            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
                                      use_tqdm=False)
         return [[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
@@ -564,16 +564,19 @@ class VLLMEngine:
         seeds = _per_prompt(seed, count, "seeds", lambda i: None if seed is None else prompt_seed(seed, i))
         caps = _per_prompt(max_tokens, count, "max_tokens",
                            lambda i: self.cfg.max_new_tokens if max_tokens is None else max_tokens)
+        stops = (list(self.cfg.stop) if stop is None else list(stop)) or None
         return [SamplingParams(
             n=n,
             temperature=self.cfg.temperature if temperature is None else temperature,
             top_p=self.cfg.top_p if top_p is None else top_p,
             max_tokens=cap,
-            stop=(list(self.cfg.stop) if stop is None else list(stop)) or None,
+            stop=stops,
             include_stop_str_in_output=stop is not None,
             seed=s,
             logprobs=0,  # the sampled token's own logprob
             ignore_eos=ignore_eos,
+            # completions carry token ids, never vLLM's text: decode only where stop strings are matched on it
+            detokenize=stops is not None,
         ) for s, cap in zip(seeds, caps)]
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float | None = None,
