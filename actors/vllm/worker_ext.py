@@ -62,16 +62,18 @@ def _local_expert_ids(cls) -> None:
     if getattr(original, "_rlhf_local_ids", False):
         return
     signature = inspect.signature(original)
+    at = list(signature.parameters).index("expert_map")
 
     def apply(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        expert_map = bound.arguments.get("expert_map")
-        if expert_map is not None:
+        expert_map = args[at] if len(args) > at else kwargs.get("expert_map")
+        if expert_map is not None:  # binding every call cost 1 % of a decode step: only where there is a map
+            bound = signature.bind(*args, **kwargs)
             local = expert_map[bound.arguments["topk_ids"].long()]
             weights = bound.arguments["topk_weights"]
             bound.arguments["topk_weights"] = torch.where(local >= 0, weights, torch.zeros_like(weights))
             bound.arguments["topk_ids"] = local.clamp(min=0).to(bound.arguments["topk_ids"].dtype)
-        return original(*bound.args, **bound.kwargs)
+            return original(*bound.args, **bound.kwargs)
+        return original(*args, **kwargs)
 
     apply._rlhf_local_ids = True
     cls.apply = apply
