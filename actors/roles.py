@@ -110,12 +110,13 @@ class Roles:
         partial = cfg.stale_sync.partial_rollout
 
         def start_engine(k: int, stale_shm: Sequence[str] = ()) -> RoleHandle:
+            env = huge_page_env() if dt is DeviceType.cpu else None  # weights and KV cache refaulted at each wake
             return spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
                          interruptible=partial, capture_routes=cfg.captures_routes, stale_shm=tuple(stale_shm),
                          max_concurrency=3 if partial else 1, probe_s=cfg.rollout.liveness_probe_s,
-                         whole_prefills=cfg.agent.enabled, **slot("rollout", k * rpe))
+                         whole_prefills=cfg.agent.enabled, env=env, **slot("rollout", k * rpe))
 
         left = recorded_shm(shm_record)
         if left:  # every engine gets the whole list: each removes what is on its node (the names are unique)

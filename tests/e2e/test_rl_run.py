@@ -134,16 +134,17 @@ def test_a_local_run_listens_on_loopback_but_for_rays_own_server(short_run):
     assert all(len(a) <= 1 and all(ip in ("0.0.0.0", "::") for ip, _ in a) for a in wider.values()), wider
 
 
-def test_trainer_processes_start_with_huge_pages_and_engines_without(short_run):
-    """rlhf.host_memory.huge_page_env: a trainer (and reference) rank on cpu refaults its heap every update; the
-    engines are left as they are."""
+def test_trainer_and_engine_processes_start_with_huge_pages_and_rewards_without(short_run):
+    """rlhf.host_memory.huge_page_env: a trainer (and reference) rank on cpu refaults its heap every update, a
+    sleeping engine its weights and KV cache at every sync and wake; the reward workers are left as they are."""
     from rlhf.host_memory import huge_page_env
 
     seen = [(TITLES[pid], tunables) for pid, tunables in TUNABLES.items() if pid in TITLES]
-    trainers = [t for title, t in seen if title.startswith(("ray::TrainerWorker", "ray::PolicyWorker"))]
-    assert trainers and all(t == huge_page_env()["GLIBC_TUNABLES"] for t in trainers), seen
-    engines = [t for title, t in seen if title.startswith("ray::VLLMEngine")]
-    assert engines and all(t == os.environ.get("GLIBC_TUNABLES") for t in engines), seen
+    huge = [t for title, t in seen if title.startswith(("ray::TrainerWorker", "ray::PolicyWorker", "ray::VLLMEngine"))]
+    assert any(title.startswith("ray::VLLMEngine") for title, _ in seen), seen
+    assert huge and all(t == huge_page_env()["GLIBC_TUNABLES"] for t in huge), seen
+    rewards = [t for title, t in seen if title.startswith("ray::RuleRewardWorker")]
+    assert rewards and all(t == os.environ.get("GLIBC_TUNABLES") for t in rewards), seen
 
 
 def test_reward_rises_and_every_sync_is_exact(short_run):
