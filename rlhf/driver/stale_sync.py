@@ -347,14 +347,23 @@ def take_batch(run, queue: DistQueue, producer: Producer, step: int) -> list[Que
             run.log(f"step {step}: dropped {dropped} group(s) older than stale_sync.max_staleness={s}")
         if len(have) == P:
             return have
-        with producer.cond:  # every batch made, none since the take, the step still short: one came back short
-            short = producer.groups_made == made and producer.next_batch > producer.last_batch and not producer.busy
-            if short:  # (dynamic sampling out of draws, `algorithm.max_draws`): one more batch makes up the groups
+        with producer.cond:  # none made since the take, none in the making, the step still short: batches came
+            idle = producer.groups_made == made and not producer.busy  # back short (dynamic sampling out of draws)
+            short = idle and producer.next_batch > producer.last_batch  # every batch made: one more makes them up
+            if short:
                 producer.last_batch += 1
                 producer.cond.notify_all()
+            # the next batch waits for this step to train (the staleness bound): each step before took groups of
+            # later batches to make up for short ones, and this one cannot; it trains on what there is, as the
+            # synchronous loop trains on a short batch (waiting here stalled the run)
+            bounded = idle and not short and not may_start(producer.next_batch, producer.served, s)
         if short:
             run.log(f"step {step}: {len(have)} of {P} groups queued and every batch made (one came back short "
                     "of its groups): making one more")
+        elif bounded and have:
+            run.log(f"step {step}: {len(have)} of {P} groups queued and the next batch waits for this step "
+                    f"(stale_sync.max_staleness={s}; batches came back short of their groups): training on them")
+            return have
         producer.wait(lambda: producer.groups_made > made)
 
 
