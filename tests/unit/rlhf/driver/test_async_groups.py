@@ -160,21 +160,12 @@ class _Queue:
         return len(self.q)
 
 
-def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
-    """Dynamic sampling can run out of draws with fewer groups than a step needs: the queue then holds fewer
-    groups than the steps will take, so once every batch is made and a step is still short, the producer
-    makes one more batch (it used to stop the run: "the trainer's batch is still short")."""
-    from rlhf.driver import stale_sync
+def _three_steps(P: int, staleness: int):
+    """Steps 1-3 taking their groups from a producer running `stale_sync.collect` (patched by the test), the
+    engines serving each step's weights once it trained: the run, each step's (batch, seq) and the producer."""
     from rlhf.driver.stale_sync import Producer, take_batch
 
-    P, sizes = 3, {1: 3, 2: 2, 3: 3, 4: 3}  # batch 2 comes back one group short
-
-    def collect(cfg, roles, sampler, tok, b, route_stages=None, turn=None):
-        ro = _rollout(P=sizes[b])
-        return replace(ro, completions=[replace(c, weight_version=0, token_versions=(0, 0)) for c in ro.completions])
-
-    monkeypatch.setattr(stale_sync, "collect", collect)
-    run, queue = _Run(steps=3, P=P, staleness=2), _Queue()
+    run, queue = _Run(steps=3, P=P, staleness=staleness), _Queue()
     producer = Producer(run, queue, next_batch=1, next_seq=0).start()
     try:
         taken = []
@@ -184,6 +175,23 @@ def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
             producer.serve(step)
     finally:
         producer.stop(10)
+    return run, taken, producer
+
+
+def test_a_batch_short_of_its_groups_is_made_up_by_one_more(monkeypatch):
+    """Dynamic sampling can run out of draws with fewer groups than a step needs: the queue then holds fewer
+    groups than the steps will take, so once every batch is made and a step is still short, the producer
+    makes one more batch (it used to stop the run: "the trainer's batch is still short")."""
+    from rlhf.driver import stale_sync
+
+    P, sizes = 3, {1: 3, 2: 2, 3: 3, 4: 3}  # batch 2 comes back one group short
+
+    def collect(cfg, roles, sampler, tok, b, route_stages=None, turn=None):
+        ro = _rollout(P=sizes[b])
+        return replace(ro, completions=[replace(c, weight_version=0, token_versions=(0, 0)) for c in ro.completions])
+
+    monkeypatch.setattr(stale_sync, "collect", collect)
+    run, taken, producer = _three_steps(P, staleness=2)
     assert taken == [[(1, 0), (1, 1), (1, 2)], [(2, 3), (2, 4), (3, 5)], [(3, 6), (3, 7), (4, 8)]]
     assert producer.last_batch == 4 and any("making one more" in line for line in run.said)
 
@@ -193,7 +201,6 @@ def test_a_step_the_bound_leaves_short_trains_on_the_groups_there(monkeypatch):
     batch that would make up this step's, the step trains on the groups there (as the synchronous loop trains on
     a short batch). It used to wait for a batch that waited for it: `make run` stalled at step 347 of 350."""
     from rlhf.driver import stale_sync
-    from rlhf.driver.stale_sync import Producer, take_batch
 
     P, s, sizes = 3, 1, {1: 1, 2: 1, 3: 3, 4: 3}  # batches 1 and 2 come back short: step 1 has 2 groups of 3
 
@@ -203,15 +210,6 @@ def test_a_step_the_bound_leaves_short_trains_on_the_groups_there(monkeypatch):
         return replace(ro, completions=[replace(c, weight_version=v, token_versions=(v, v)) for c in ro.completions])
 
     monkeypatch.setattr(stale_sync, "collect", collect)
-    run, queue = _Run(steps=3, P=P, staleness=s), _Queue()
-    producer = Producer(run, queue, next_batch=1, next_seq=0).start()
-    try:
-        taken = []
-        for step in (1, 2, 3):
-            groups = take_batch(run, queue, producer, step)
-            taken.append([(g.batch, g.seq) for g in groups])
-            producer.serve(step)
-    finally:
-        producer.stop(10)
+    run, taken, _ = _three_steps(P, staleness=s)
     assert taken == [[(1, 0), (2, 1)], [(3, 2), (3, 3), (3, 4)], [(4, 5), (4, 6), (4, 7)]]
     assert sum("training on them" in line for line in run.said) == 1, run.said
