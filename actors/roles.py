@@ -91,10 +91,12 @@ class Roles:
         dt, W = p.device_type, sync_layout.trainer.world_size
         ref_trainer = replace(cfg.trainer, routing_replay=RoutingReplay.off)  # the policy's routes are not its own
 
+        # on cpu a trainer's heap comes back at every update, a sleeping engine's weights and KV cache at every wake
+        env = huge_page_env() if dt is DeviceType.cpu else None
+
         def start_policy(stale_pids: Sequence[int] = ()) -> tuple[list[RoleHandle], list[RoleHandle]]:
             """Trainer and reference ranks on their slots; `stale_pids`: the processes they replace."""
             probe_s = cfg.trainer.liveness_probe_s
-            env = huge_page_env() if dt is DeviceType.cpu else None  # its heap comes back at every update
             trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
                              stale_pids=tuple(stale_pids), probe_s=probe_s, env=env, **slot("trainer", r))
                        for r in range(W)]
@@ -110,7 +112,6 @@ class Roles:
         partial = cfg.stale_sync.partial_rollout
 
         def start_engine(k: int, stale_shm: Sequence[str] = ()) -> RoleHandle:
-            env = huge_page_env() if dt is DeviceType.cpu else None  # weights and KV cache refaulted at each wake
             return spawn(VLLMEngine, "rollout", k, model_dir, cfg.rollout, dt, seed=cfg.seed + k,
                          max_model_len=cfg.model.max_position_embeddings,
                          cpu_cores=engine_cpu_cores(dm, k, os.cpu_count() or 1), own_process=True,
