@@ -4,12 +4,13 @@
     python -m benchmarks.decode_probe --core 1 &  python -m benchmarks.decode_probe --core 0   # two side by side
     VLLM_CPU_OMP_THREADS_BIND=0-1 python -m benchmarks.decode_probe --prompts 8              # one engine, two cores
     python -m benchmarks.decode_probe --profile              # the ops of one generate (torch.profiler), on stderr
+    python -m benchmarks.decode_probe rollout.enforce_eager=false   # run config overrides (here: torch.compile)
 
 The policy is `benchmarks/e2e_bench.py`'s (random weights of configs/small_cpu.yaml's model, built once under
 `out/small/policy`). Every completion runs to --new-tokens (`ignore_eos`). Two timed generates after start; the last
-line is one JSON object: `generate_seconds` of each, the tokens, and the decode step's seconds. Without a
-launcher's OMP_NUM_THREADS the engine's process may run more threads than its core: run with OMP_NUM_THREADS=1 to
-stand for a Ray actor of one CPU.
+line is one JSON object: the engine's `start_seconds`, `generate_seconds` of each, the tokens, and the decode
+step's seconds. Without a launcher's OMP_NUM_THREADS the engine's process may run more threads than its core: run
+with OMP_NUM_THREADS=1 to stand for a Ray actor of one CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="a third generate under torch.profiler: ops on stderr")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config (rollout.*)")
     args = parser.parse_args(argv)
     for name in ("prompts", "samples", "new_tokens"):
         if getattr(args, name) < 1:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.e2e_bench import build_policy
     from rlhf.config import load_run_config
 
-    cfg = load_run_config(args.config)
+    cfg = load_run_config(args.config, args.overrides)
     policy = build_policy(cfg)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
@@ -52,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.schema import DeviceType
 
     rollout = replace(cfg.rollout, engine_core_in_process=True)
+    t0 = time.perf_counter()
     engine = VLLMEngine(str(policy), rollout, device_type=DeviceType.cpu, cpu_cores=[args.core],
                         max_model_len=16 + args.new_tokens)
+    start_seconds = round(time.perf_counter() - t0, 1)
     try:
         prompts = [[1] + list(range(10 + i, 17 + i)) for i in range(args.prompts)]
 
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     finally:
         engine.close()
-    print(json.dumps({"core": args.core, "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+    print(json.dumps({"overrides": args.overrides, "start_seconds": start_seconds, "core": args.core,
+                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "sequences": args.prompts * args.samples,
                       "tokens": tokens, "generate_seconds": seconds,
                       "decode_step_ms": round(min(seconds) / args.new_tokens * 1e3, 1)}))

@@ -48,6 +48,16 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     remove_dead_ipc_dirs()
     ipc_dir().mkdir(exist_ok=True)
     os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
+    if device_type is DeviceType.cpu and not cfg.enforce_eager:
+        # A compiled engine's kernels in inductor's shared cache (torch's `/tmp/torchinductor_<user>`), not in the
+        # engine's own temp directory below, which goes with it: a restarted engine or the next run builds nothing
+        # again. vLLM's cache of the compiled graph (in ~/.cache/vllm) never loads on cpu (0.32: "Compiling model
+        # again due to a load failure ... no attribute 'finalize_loading'"; its cpu backend is plain inductor), and
+        # with it on vLLM points inductor's cache there as well: off unless the user sets it.
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+        os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     if own_process:  # vLLM's other temp files (a file store per engine, never removed) go there as well
         os.environ["TMPDIR"] = tempfile.tempdir = str(ipc_dir())
         no_tqdm_semaphore()  # the engine's workers do the same (actors/vllm/worker_ext.py)
@@ -61,6 +71,8 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     if device_type is DeviceType.cpu:
         if cfg.enforce_eager:
             no_compile()
+        else:
+            allow_compile()
         if cpu_cores:
             # One core per engine rank, the core of its stand-in device: vLLM's "auto" binding puts every
             # engine of a machine on core 0 (it reserves the rest), so two engines would share one core.
@@ -152,8 +164,27 @@ def no_compile() -> None:
     that runs eagerly with the same result (docs/rollout.md)."""
     import torch
 
-    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when a worker process imports torch
+    global _compile_disabled
+    if os.environ.get("TORCH_COMPILE_DISABLE") != "1":
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when a worker process imports torch
+        _compile_disabled = True
     torch.compiler.set_stance("force_eager")  # every thread (a Ray actor's calls run on threads of their own)
+
+
+_compile_disabled = False  # TORCH_COMPILE_DISABLE was set by `no_compile`, not by the user
+
+
+def allow_compile() -> None:
+    """Undo `no_compile` for an engine that compiles (`rollout.enforce_eager: false`) in a process that hosted an
+    eager one before: its workers would inherit TORCH_COMPILE_DISABLE and run eagerly without a word. A user's own
+    TORCH_COMPILE_DISABLE stays."""
+    import torch
+
+    global _compile_disabled
+    if _compile_disabled:
+        os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        _compile_disabled = False
+    torch.compiler.set_stance("default")
 
 
 def remove_leftover_shm(prefixes, shm_dir: str = "/dev/shm") -> list[str]:

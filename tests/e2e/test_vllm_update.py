@@ -187,6 +187,35 @@ def test_samples_of_different_prompts_draw_independent_streams(setup):
         engine.generate([prompt] * 2, n=1, seed=[1])
 
 
+def test_compiled_engine_serves_updates_exactly(setup, tmp_path, monkeypatch):
+    """rollout.enforce_eager=false on cpu (`configs/small_cpu.yaml`): the model compiled by inductor at start, in
+    torch's shared cache, not the engine's temp directory; a process that hosted an eager engine (the module's)
+    lets this one compile; an update by either install is served exactly, as by the eager engine."""
+    from actors.vllm.engine import VLLMEngine
+
+    _, m1, m2, seqs = setup
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # vLLM's own cache of the graph, in ~/.cache
+    d = tmp_path / "w"
+    save_tokenizer(build_tokenizer(m1.config.vocab_size), d)
+    save_pretrained(m1, d)
+    engine = VLLMEngine(str(d), RolloutConfig(cpu_kv_cache_gib=0.25, enforce_eager=False), max_model_len=64)
+    try:
+        assert "TORCH_COMPILE_DISABLE" not in os.environ  # the eager engine's setting, gone for its workers
+        assert any(cache.rglob("*.so")), "no inductor kernels built: the engine did not compile"
+        first = torch.tensor(engine.sequence_logprobs(seqs.tolist()))
+        assert (first - _ours(m1, seqs)).abs().max() <= 1e-5
+        engine.update_weights(_hf(m2), version=1)
+        assert (torch.tensor(engine.sequence_logprobs(seqs.tolist())) - _ours(m2, seqs)).abs().max() <= 1e-5
+        path = _write(_staged(m1), tmp_path)
+        engine.llm.collective_rpc("rlhf_install_file", args=(path, "direct"))  # the install a sync takes on cpu
+        assert engine.llm.reset_prefix_cache()
+        assert torch.equal(torch.tensor(engine.sequence_logprobs(seqs.tolist())), first)
+    finally:
+        engine.close()
+
+
 def test_tensor_parallel_engine_updates_exactly(tmp_path):
     """TP=2 on CPU: both workers install the update; logprobs follow the new weights."""
     from actors.vllm.engine import VLLMEngine

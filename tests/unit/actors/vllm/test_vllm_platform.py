@@ -130,6 +130,48 @@ def test_eager_cpu_engines_compile_nothing_on_any_thread(tmp_path):
     assert compiled.stdout.split()[-2:] == ["None", "True"]
 
 
+EAGER_THEN_COMPILED = """
+import json, os, tempfile
+import torch
+from torch._dynamo.utils import counters
+from actors.vllm.platform import prepare_platform
+from rlhf.schema import DeviceType, RolloutConfig
+
+@torch.compile(backend="eager")
+def double(x):
+    return x * 2
+
+temp = tempfile.gettempdir()
+prepare_platform(DeviceType.cpu, RolloutConfig(enforce_eager=True))  # an eager engine in this process first
+eager = os.environ.get("TORCH_COMPILE_DISABLE")
+prepare_platform(DeviceType.cpu, RolloutConfig(enforce_eager=False), own_process=True)
+double(torch.ones(2))
+print(json.dumps([eager, os.environ.get("TORCH_COMPILE_DISABLE"), sum(counters["stats"].values()) > 0,
+                  os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(temp + "/torchinductor_"),
+                  os.environ["VLLM_DISABLE_COMPILE_CACHE"], tempfile.gettempdir() != temp]))
+"""
+
+
+def test_a_compiled_engine_compiles_after_an_eager_one_and_keeps_its_kernels(tmp_path):
+    """rollout.enforce_eager=false after an eager engine in the same process: torch.compile is on again (its
+    workers would inherit TORCH_COMPILE_DISABLE), inductor's kernels go to torch's shared cache under the machine's
+    temp directory, not the engine's own (removed with it), and vLLM's graph cache (never loaded on cpu) is off.
+    A user's own TORCH_COMPILE_DISABLE stays."""
+    import json
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    for name in ("TORCH_COMPILE_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "VLLM_DISABLE_COMPILE_CACHE"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-c", EAGER_THEN_COMPILED], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == ["1", None, True, True, "1", True]
+    users = subprocess.run([sys.executable, "-c", EAGER_THEN_COMPILED], capture_output=True, text=True,
+                           env=dict(env, TORCH_COMPILE_DISABLE="1"), timeout=300, cwd=REPO)
+    assert users.returncode == 0, users.stderr[-2000:]
+    assert json.loads(users.stdout.splitlines()[-1])[:3] == ["1", "1", False]
+
+
 def test_fp32_mla_engines_on_cpu_take_the_reference_mla_backend(tmp_path):
     """vLLM's AMX MLA kernels (its choice on cpus with AMX tiles) take bf16 weights only: an fp32 DeepSeek-V3
     family engine on cpu asks for the reference cpu MLA backend; bf16, other models and GPUs keep vLLM's choice."""
