@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from rlhf.model.layers import Scratch, add_into, autocast_dtype, cast_once, grad_into, transposed_once
+from rlhf.model.layers import ADD_SCRATCH, Scratch, add_into, autocast_dtype, cast_once, grad_into, transposed_once
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ SCRATCH = Scratch()
 
 def release_scratch() -> None:
     SCRATCH.release()
+    ADD_SCRATCH.release()
 
 
 def rows_forward(z_RV: torch.Tensor, targets_R: torch.Tensor, temperature: torch.Tensor | None):
