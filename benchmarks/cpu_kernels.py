@@ -229,8 +229,9 @@ def decode_moe(repeats: int) -> dict:
 
     import torch
 
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx512_bf16" not in flags:
+    from rlhf.config.validate import cpu_has_flag
+
+    if not cpu_has_flag("avx512_bf16"):
         return {"decode_moe_skipped": "this cpu has no avx512_bf16 (the probe kernel's vdpbf16ps)"}
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return {"decode_moe_skipped": "no C++ compiler (c++, or $CXX) to build the probe kernel"}

@@ -297,14 +297,19 @@ def stale_sync_problems(cfg: RunConfig) -> list[Problem]:
     return p
 
 
-def cpu_has_amx_tiles() -> bool:
-    """Whether this machine's cpu has AMX tiles (Linux: the `amx_tile` flag of /proc/cpuinfo, which the kernel shows
-    only when it enables them; torch's own check would import torch, which config checks never do)."""
+def cpu_has_flag(flag: str) -> bool:
+    """Whether this machine's cpu shows `flag` in /proc/cpuinfo (Linux; False elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return any(line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines())
+    return any(line.startswith("flags") and flag in line.split() for line in text.splitlines())
+
+
+def cpu_has_amx_tiles() -> bool:
+    """Whether this machine's cpu has AMX tiles (Linux: the `amx_tile` flag of /proc/cpuinfo, which the kernel shows
+    only when it enables them; torch's own check would import torch, which config checks never do)."""
+    return cpu_has_flag("amx_tile")
 
 
 def quantization_problems(cfg: RunConfig) -> list[Problem]:
