@@ -44,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.e2e_bench import build_policy
     from rlhf.config import load_run_config
+    from rlhf.errors import ConfigError
 
-    cfg = load_run_config(args.config, args.overrides)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as e:
+        parser.error(str(e))
     policy = build_policy(cfg)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
