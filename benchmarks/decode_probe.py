@@ -8,7 +8,8 @@
 
 The policy is `benchmarks/e2e_bench.py`'s (random weights of configs/small_cpu.yaml's model, built once under
 `out/small/policy`). Every completion runs to --new-tokens (`ignore_eos`). Two timed generates after start; the last
-line is one JSON object: the engine's `start_seconds`, `generate_seconds` of each, the tokens, and the decode
+line is one JSON object: the engine's `start_seconds`, its MoE layers by experts' kernel (`moe_kernels`:
+rollout.cpu_moe_kernel), `generate_seconds` of each, the tokens, and the decode
 step's seconds. Without a launcher's OMP_NUM_THREADS the engine's process may run more threads than its core: run
 with OMP_NUM_THREADS=1 to stand for a Ray actor of one CPU.
 """
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     finally:
         engine.close()
-    print(json.dumps({"overrides": args.overrides, "start_seconds": start_seconds, "core": args.core,
+    print(json.dumps({"overrides": args.overrides, "start_seconds": start_seconds, "moe_kernels": engine.moe_kernels,
+                      "core": args.core,
                       "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "sequences": args.prompts * args.samples,
                       "tokens": tokens, "generate_seconds": seconds,

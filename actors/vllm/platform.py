@@ -69,6 +69,11 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     if in_process is not None:  # otherwise vLLM's default (or the environment's VLLM_ENABLE_V1_MULTIPROCESSING)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if device_type is DeviceType.cpu:
+        # read by the engine workers' experts as they prepare their weights (actors/vllm/cpu_moe.py); set for every
+        # engine, so one started later in this process does not inherit an earlier one's choice
+        from actors.vllm.cpu_moe import ENV
+
+        os.environ[ENV] = cfg.cpu_moe_kernel.value
         if cfg.enforce_eager:
             no_compile()
         else:

@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from actors.vllm.cpu_moe import patch_vllm_experts
 from actors.vllm.install import counts_remembered
 from actors.vllm.platform import freeze_heap, in_vllm_worker, no_tqdm_semaphore
 from actors.vllm.sampler import patch_cpu_sampler
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 no_tqdm_semaphore()  # imported in every worker process before it loads the model
 if in_vllm_worker():  # vLLM imported, the model not loaded yet
     freeze_heap()
+
+
+# rollout.cpu_moe_kernel: vLLM's cpu experts pack for and call the tiled decode kernel where the engine chose it
+# (actors/vllm/cpu_moe.py). Before the expert-map patch below, which wraps the `apply` this leaves.
+patch_vllm_experts()
 
 
 def _patch_cpu_moe_expert_map() -> None:
@@ -132,6 +138,12 @@ class WeightUpdateExtension:
             if qm is not None and hasattr(qm, "moe_kernel"):
                 out.append((name, qm))
         return out
+
+    def rlhf_moe_kernels(self) -> dict[str, int]:
+        """MoE layers per experts' kernel (`actors.vllm.cpu_moe.kernels`): which one rollout.cpu_moe_kernel got."""
+        from actors.vllm.cpu_moe import kernels
+
+        return kernels(self.model_runner.get_model())
 
     def _rlhf_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         with counts_remembered(self.__dict__.setdefault("_rlhf_counts", {})):

@@ -6,7 +6,9 @@ reported together in one `ConfigError`, before any process or actor starts.
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 from pathlib import Path, PurePosixPath
 
 from rlhf.errors import ConfigError, Problem, divisors, raise_problems
@@ -237,7 +239,28 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
     if not p:  # the layouts are sound: whether their shards take the quantized blocks
         p += quantization_problems(cfg)
     p += routing_replay_problems(cfg)
+    p += cpu_moe_kernel_problems(cfg)
     return p
+
+
+def cpu_moe_kernel_problems(cfg: RunConfig) -> list[Problem]:
+    """rollout.cpu_moe_kernel=tiled on a cpu run needs what the kernel is built and run with (auto falls back)."""
+    if cfg.rollout.cpu_moe_kernel.value != "tiled" or cfg.placement.device_type.value != "cpu":
+        return []
+    why = tiled_moe_missing()
+    if why is None:
+        return []
+    return [Problem("rollout.cpu_moe_kernel", "tiled", f"{why}: use auto (vLLM's kernel where ours cannot run) or vllm")]
+
+
+def tiled_moe_missing() -> str | None:
+    """Why this machine cannot build and run the tiled decode MoE kernel (actors/vllm/cpu_moe.py), or None."""
+    if not cpu_has_flag("avx512_bf16"):
+        return "this cpu has no avx512_bf16, which the tiled MoE kernel's dot products need"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r}; set $CXX) to build the tiled MoE kernel"
+    return None
 
 
 def compute_dtype_problems(cfg: RunConfig) -> list[Problem]:

