@@ -10,10 +10,10 @@ import torch
 from rlhf.config import load_model_config
 from rlhf.config.validate import cpu_has_amx_tiles, tiled_moe_missing
 from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
-from rlhf.model.hf_io import save_pretrained, to_hf_tensors
+from rlhf.model.hf_io import save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
-from rlhf.parallel.trainer import token_logprobs
 from rlhf.schema import CpuMoeKernel, DType, RolloutConfig
+from tests.e2e.test_vllm_update import _hf, _ours, _staged  # the helpers of the fp32 engine's tests
 
 WHY = tiled_moe_missing() or ("this cpu has AMX: vLLM's AMX experts' kernel serves, the tiled one never applies"
                               if cpu_has_amx_tiles() else None)
@@ -55,15 +55,6 @@ def setup(tmp_path_factory):
     engine.close()
 
 
-def _ours(model, seqs):
-    with torch.no_grad():
-        return token_logprobs(model(seqs), seqs)[0]
-
-
-def _hf(model):
-    return [(n, t.clone()) for n, t in to_hf_tensors(model.state_dict(), model.config)]
-
-
 def test_tiled_kernel_serves_what_vllms_does_within_bf16(setup):
     engine, m1, _, seqs, stock = setup
     assert engine.moe_kernels == {"tiled": 2}
@@ -90,7 +81,8 @@ def test_updates_are_exact_by_both_installs(setup, tmp_path):
     engine.update_weights(_hf(m1), version=2)
     assert torch.equal(torch.tensor(engine.sequence_logprobs(seqs.tolist())), fresh)
     assert engine.llm.collective_rpc("rlhf_moe_kernels")[0] == {"tiled": 2}  # the update packed for it again
-    save_file(dict(_staged(m2)), tmp_path / "w.safetensors")  # the buffers a sync stages for a bf16 tp1 engine
+    # the buffers a sync stages for a bf16 tp1 engine
+    save_file(dict(_staged(m2, torch.bfloat16)), tmp_path / "w.safetensors")
     engine.llm.collective_rpc("rlhf_install_file", args=(str(tmp_path / "w.safetensors"), "direct"))
     assert engine.llm.reset_prefix_cache()
     assert torch.equal(torch.tensor(engine.sequence_logprobs(seqs.tolist())), lp2)
@@ -115,13 +107,3 @@ def test_expert_parallel_engine_serves_each_expert_once(setup, tmp_path):
     finally:
         ep.close()
     assert (two - one).abs().median() <= 0.03 and (two - one).abs().mean() <= 0.04
-
-
-def _staged(model):
-    from rlhf.sharding.engine import engine_shard_spec
-    from rlhf.sharding.layout import InferenceLayout
-    from weight_sync.pieces import fill_buffers
-
-    whole, mine = dict(_hf(model)), engine_shard_spec(model.config, InferenceLayout(tp=1)).ranks[0]
-    out = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in mine.buffers}
-    return dict(fill_buffers(mine.pieces, mine.buffer_shapes(), lambda p: whole[p.param][p.box.slices()], out))

@@ -67,14 +67,15 @@ def test_update_is_exact_against_a_fresh_engine(setup):
     assert {c.weight_version for c in out} == {2}
 
 
-def _staged(model):
-    """The model's weights as a sync stages them for a tp1 engine: vLLM's names and shapes, padding rows zero."""
+def _staged(model, dtype=torch.float32):
+    """The model's weights as a sync stages them for a tp1 engine of `dtype`: vLLM's names and shapes, padding rows
+    zero."""
     from rlhf.sharding.layout import InferenceLayout
     from rlhf.sharding.engine import engine_shard_spec
     from weight_sync.pieces import fill_buffers
 
     whole, mine = dict(_hf(model)), engine_shard_spec(model.config, InferenceLayout(tp=1)).ranks[0]
-    out = {n: torch.zeros(s) for n, s in mine.buffers}
+    out = {n: torch.zeros(s, dtype=dtype) for n, s in mine.buffers}
     return dict(fill_buffers(mine.pieces, mine.buffer_shapes(), lambda p: whole[p.param][p.box.slices()], out))
 
 
