@@ -26,7 +26,7 @@
   `cpu_fused_moe` on its vec path (what it runs without AMX) against the kernel tiled for the 1-4 rows an expert
   gets that engines run there (`rollout.cpu_moe_kernel`, `actors/vllm/cpu_moe.py`; built on first use, needs
   avx512_bf16 and a C++ compiler, else the part says which is missing). Also prints both outputs' largest
-  difference.
+  difference, and both kernels on a prefill's 1,024 tokens through one layer (`prefill_moe_*`).
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -261,9 +261,19 @@ def decode_moe(repeats: int) -> dict:
 
     cpu_fused_moe(out, x, *vllm_w[0], None, None, tw, ids, "silu", "vec", False)
     diff = (ops.decode_moe(x, ids, tw, *ours_w[0]).float() - out.float()).abs().max().item()
-    return {"decode_moe_build_s": build_s, "decode_moe_max_abs_diff": diff, "decode_moe_output_abs_max":
-            out.float().abs().max().item(), "decode_moe_vllm_vec_ms": round(_ms(stock, repeats) / LAYERS, 3),
-            "decode_moe_tiled_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
+    result = {"decode_moe_build_s": build_s, "decode_moe_max_abs_diff": diff, "decode_moe_output_abs_max":
+              out.float().abs().max().item(), "decode_moe_vllm_vec_ms": round(_ms(stock, repeats) / LAYERS, 3),
+              "decode_moe_tiled_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
+    # a prefill's 1,024 tokens through one layer (128 rows an expert on average): the engines' kernel serves those too
+    P = 1024
+    xp = (torch.randn(P, H, generator=g) * 0.5).bfloat16()
+    pw, pids = torch.topk(torch.softmax(torch.randn(P, E, generator=g), -1), K)
+    pw, pids = (pw / pw.sum(-1, keepdim=True)).contiguous(), pids.int().contiguous()
+    pout = torch.empty(P, H, dtype=torch.bfloat16)
+    result["prefill_moe_vllm_vec_ms"] = round(_ms(lambda: cpu_fused_moe(pout, xp, *vllm_w[0], None, None, pw, pids,
+                                                                        "silu", "vec", False), repeats), 2)
+    result["prefill_moe_tiled_ms"] = round(_ms(lambda: ops.decode_moe(xp, pids, pw, *ours_w[0]), repeats), 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -125,7 +126,8 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
       most = std::max<int64_t>(most, rows[idp[p]].size());
     }
   }
-  std::vector<float> y(T * k * H);  // each slot's expert output, unweighted
+  // each slot's expert output, unweighted (only the slots of nonzero weight are written, and only those read)
+  std::unique_ptr<float[]> y(new float[T * k * H]);
   const uint16_t* xp = bits(x);
   const uint16_t* w13p = bits(w13);
   const uint16_t* w2p = bits(w2);

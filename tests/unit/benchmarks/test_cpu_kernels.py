@@ -60,3 +60,4 @@ def test_decode_moe_tiled_agrees_with_vllms_kernel_or_says_what_is_missing(capsy
         pytest.skip(out["decode_moe_skipped"])
     assert out["decode_moe_max_abs_diff"] <= out["decode_moe_output_abs_max"] * 2 ** -7
     assert out["decode_moe_vllm_vec_ms"] > 0 and out["decode_moe_tiled_ms"] > 0
+    assert out["prefill_moe_vllm_vec_ms"] > 0 and out["prefill_moe_tiled_ms"] > 0
