@@ -11,7 +11,7 @@ no lock is held and a killed build leaves nothing that blocks the next one.
 
 `patch_vllm_experts` (applied in every engine worker by `actors.vllm.worker_ext`) decides per layer, when vLLM
 prepares its loaded weights: where the kernel is chosen, the layer is bf16 with silu experts, no biases and sizes the
-kernel tiles (hidden and 2 x intermediate multiples of 128), and vLLM took its vec path, the weights are packed for
+kernel tiles (hidden and 2 x intermediate multiples of 64), and vLLM took its vec path, the weights are packed for
 it (same shape, so a weight update installs them as before: `actors.vllm.install`) and `apply` calls it; every
 other layer is vLLM's as before."""
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_moe.cpp"
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-TILE = 128  # outputs per packed tile: hidden and 2 x intermediate must be multiples of it
+TILE = 64  # outputs per packed tile: hidden and 2 x intermediate must be multiples of it
 ENV = "RLHF_CPU_MOE_KERNEL"  # the engine's rollout.cpu_moe_kernel, set by actors.vllm.platform.prepare_platform
 
 

@@ -18,7 +18,7 @@ from tests.e2e.test_vllm_update import _hf, _ours, _staged  # the helpers of the
 WHY = tiled_moe_missing() or ("this cpu has AMX: vLLM's AMX experts' kernel serves, the tiled one never applies"
                               if cpu_has_amx_tiles() else None)
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(WHY is not None, reason=f"the tiled kernel: {WHY}")]
-# every expert dimension a multiple of 128 (hidden 256, 2 x intermediate 512): the sizes the kernel tiles
+# every expert dimension a multiple of 64 (hidden 256, 2 x intermediate 512): the sizes the kernel tiles
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "model", "qwen3_moe_fp8_tiny.yaml")
 
 

