@@ -5,9 +5,10 @@
 // Weights are packed once (`decode_moe_pack`): [E, N, K] reordered as [E, N / 64, K / 2, 64, 2] (pairs along K
 // as `vdpbf16ps` takes them, each 64-output tile contiguous), returned with the shape it came in. Up to four rows
 // go through a tile at once, their accumulators in registers, so each tile is read once for every four rows (one
-// stream from memory at decode time; tiles of 128 outputs read in two halves were 15 % slower). Experts are spread
-// over torch's intra-op threads. Arithmetic: the projections accumulated in fp32 and rounded to bf16, silu(gate) * up in fp32 rounded to
-// bf16, the down projection in fp32, the top-k weighted sum accumulated in fp32 in the routing's slot order and
+// stream from memory at decode time; tiles of 128 outputs read in two halves were 15 % slower). The (expert, tile)
+// pairs are spread over torch's intra-op threads, each output computed by one of them: the same bits on any number
+// of threads. Arithmetic: the projections accumulated in fp32 and rounded to bf16, silu(gate) * up in fp32 rounded
+// to bf16, the down projection in fp32, the top-k weighted sum accumulated in fp32 in the routing's slot order and
 // rounded once: a bf16 model's, up to the order of the dot products' sums. A slot of weight 0 (another expert-
 // parallel rank's expert) is skipped.
 #include <ATen/Parallel.h>
@@ -48,26 +49,38 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, float* ou
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * N + n0 + j * 16, acc[i][j]);
 }
 
-// out[r, n] = sum_k x[r, k] W[n, k] for R rows of bf16 x, W packed: four rows at a time, each tile read once
-void gemm_rows(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64_t N, float* out) {
+// out[r, n0:n0 + 64] = sum_k x[r, k] W[n, k] for R rows of bf16 x and one packed tile of W, four rows at a time
+// (the tile, K x 64 bf16, stays in cache between them)
+void gemm_tile(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w_tile, float* out, int64_t N, int64_t n0) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, R - r0);
     const uint16_t* xr = x + r0 * K;
     float* o = out + r0 * N;
-    for (int64_t t = 0; t < N / TILE; ++t) {
-      const uint16_t* wt = w + t * K * TILE;
-      const int64_t n0 = t * TILE;
-      if (rr == 1) {
-        tile<1>(xr, K, wt, o, N, n0);
-      } else if (rr == 2) {
-        tile<2>(xr, K, wt, o, N, n0);
-      } else if (rr == 3) {
-        tile<3>(xr, K, wt, o, N, n0);
-      } else {
-        tile<4>(xr, K, wt, o, N, n0);
-      }
+    if (rr == 1) {
+      tile<1>(xr, K, w_tile, o, N, n0);
+    } else if (rr == 2) {
+      tile<2>(xr, K, w_tile, o, N, n0);
+    } else if (rr == 3) {
+      tile<3>(xr, K, w_tile, o, N, n0);
+    } else {
+      tile<4>(xr, K, w_tile, o, N, n0);
     }
   }
+}
+
+// the tiles of every expert's stack [E, N, K] times that expert's rows, spread over the intra-op threads by tile
+// (each thread streams a contiguous run of the weights; every output written by one tile, so the bits do not
+// depend on the threads): x [S, K] bf16 grouped by expert at `first` (E + 1 offsets) -> out [S, N] fp32
+void grouped(const uint16_t* x, const std::vector<int64_t>& first, const std::vector<int64_t>& experts, int64_t K,
+             const uint16_t* w, int64_t N, float* out) {
+  const int64_t tiles = N / TILE;
+  at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = experts[item / tiles], t = item % tiles;
+      gemm_tile(x + first[e] * K, first[e + 1] - first[e], K, w + e * N * K + t * K * TILE, out + first[e] * N, N,
+                t * TILE);
+    }
+  });
 }
 
 inline __m512 exp_ps(__m512 x) {  // Cephes' polynomial, about 1 ulp in fp32
@@ -113,42 +126,45 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
               "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 64, I of 32");
   TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
                   w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
-  std::vector<std::vector<int64_t>> rows(E);  // the (token, slot) indices t * k + j routed to each expert
+  // the slots of nonzero weight grouped by expert: slot[first[e] .. first[e + 1]) are expert e's (token, slot)
+  // indices t * k + j, in token order
   const int32_t* idp = ids.const_data_ptr<int32_t>();
   const float* wp = weights.const_data_ptr<float>();
-  int64_t most = 0;
+  std::vector<int64_t> first(E + 1, 0);
   for (int64_t p = 0; p < T * k; ++p) {
     TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "decode_moe: expert id ", idp[p], " out of range [0, ", E, ")");
-    if (wp[p] != 0.f) {
-      rows[idp[p]].push_back(p);
-      most = std::max<int64_t>(most, rows[idp[p]].size());
-    }
+    if (wp[p] != 0.f) ++first[idp[p] + 1];
   }
-  // each slot's expert output, unweighted (only the slots of nonzero weight are written, and only those read)
-  std::unique_ptr<float[]> y(new float[T * k * H]);
+  std::vector<int64_t> experts;  // those with rows
+  for (int64_t e = 0; e < E; ++e) {
+    if (first[e + 1] > 0) experts.push_back(e);
+    first[e + 1] += first[e];
+  }
+  const int64_t S = first[E];
+  std::vector<int64_t> slot(S), next(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p)
+    if (wp[p] != 0.f) slot[next[idp[p]]++] = p;
+  std::unique_ptr<uint16_t[]> xg(new uint16_t[S * H]), act(new uint16_t[S * I]);
+  std::unique_ptr<float[]> h(new float[S * I2]), yg(new float[S * H]);
   const uint16_t* xp = bits(x);
-  const uint16_t* w13p = bits(w13);
-  const uint16_t* w2p = bits(w2);
-  at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(most * I2), yy(most * H);
-    std::vector<uint16_t> xg(most * H), act(most * I);
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t R = static_cast<int64_t>(rows[e].size());
-      if (R == 0) continue;
-      for (int64_t r = 0; r < R; ++r) std::memcpy(&xg[r * H], xp + (rows[e][r] / k) * H, H * 2);
-      gemm_rows(xg.data(), R, H, w13p + e * H * I2, I2, h.data());
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < I; i += 16) {
-          __m512 g = round_bf16(_mm512_loadu_ps(&h[r * I2 + i]));
-          __m512 u = round_bf16(_mm512_loadu_ps(&h[r * I2 + I + i]));
-          __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&act[r * I + i]),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
-        }
-      gemm_rows(act.data(), R, I, w2p + e * I * H, H, yy.data());
-      for (int64_t r = 0; r < R; ++r) std::memcpy(&y[rows[e][r] * H], &yy[r * H], H * 4);
-    }
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::memcpy(&xg[r * H], xp + (slot[r] / k) * H, H * 2);
   });
+  grouped(xg.get(), first, experts, H, bits(w13), I2, h.get());
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < I; i += 16) {
+        __m512 g = round_bf16(_mm512_loadu_ps(&h[r * I2 + i]));
+        __m512 u = round_bf16(_mm512_loadu_ps(&h[r * I2 + I + i]));
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&act[r * I + i]),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
+      }
+  });
+  grouped(act.get(), first, experts, I, bits(w2), H, yg.get());
+  // each slot's row of yg, by (token, slot) index (-1: weight 0, not computed)
+  std::vector<int64_t> row_of(T * k, -1);
+  for (int64_t r = 0; r < S; ++r) row_of[slot[r]] = r;
   auto result = at::empty({T, H}, x.options());
   auto* rp = reinterpret_cast<uint16_t*>(result.data_ptr<at::BFloat16>());
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
@@ -156,8 +172,8 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
       for (int64_t j = 0; j < H; j += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t s = 0; s < k; ++s)
-          if (wp[t * k + s] != 0.f)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(wp[t * k + s]), _mm512_loadu_ps(&y[(t * k + s) * H + j]), acc);
+          if (row_of[t * k + s] >= 0)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(wp[t * k + s]), _mm512_loadu_ps(&yg[row_of[t * k + s] * H + j]), acc);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&rp[t * H + j]), (__m256i)_mm512_cvtneps_pbh(acc));
       }
   });
