@@ -103,19 +103,29 @@ def load() -> None:
         return torch.empty_like(w)
 
 
+@functools.lru_cache(maxsize=1)
+def _load_error() -> str | None:
+    """Why the ops could not be loaded in this process, or None: tried once, not once a layer (a failing build
+    would otherwise run again for every layer of the model)."""
+    try:
+        load()
+        return None
+    except Exception as e:
+        return str(e)
+
+
 def available(choice: Choice) -> bool:
     """Whether the engine's layers may take the kernel: `auto` falls back to vLLM's, saying why, where this machine
     cannot build it; `tiled` raises."""
     if choice is Choice.vllm:
         return False
-    try:
-        load()
+    why = _load_error()
+    if why is None:
         return True
-    except Exception as e:
-        if choice is Choice.tiled:
-            raise
-        _fallback(str(e))
-        return False
+    if choice is Choice.tiled:
+        raise RuntimeError(f"rollout.cpu_moe_kernel=tiled: {why}")
+    _fallback(why)
+    return False
 
 
 @functools.lru_cache(maxsize=None)
