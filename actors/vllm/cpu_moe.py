@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.validate import tiled_moe_missing
+from rlhf.config.validate import cxx, tiled_moe_missing
 from rlhf.schema import CpuMoeKernel as Choice
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,6 @@ TILE = 64  # outputs per packed tile: hidden and 2 x intermediate must be multip
 ENV = "RLHF_CPU_MOE_KERNEL"  # the engine's rollout.cpu_moe_kernel, set by actors.vllm.platform.prepare_platform
 
 
-def compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
 def cache_dir() -> Path:
     if os.environ.get("RLHF_KERNEL_CACHE"):
         return Path(os.environ["RLHF_KERNEL_CACHE"])
@@ -50,7 +46,7 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(repr((FLAGS, torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI, compiler())).encode())
+    key.update(repr((FLAGS, torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI, cxx())).encode())
     return cache_dir() / f"rlhf_cpu_decode_moe-{key.hexdigest()[:16]}.so"
 
 
@@ -64,7 +60,7 @@ def build() -> Path:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    cmd = [compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    cmd = [cxx(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-I{p}" for p in include_paths()), str(SOURCE), *(f"-L{p}" for p in library_paths()), "-lc10",
            "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in library_paths()), "-o", str(tmp)]
     try:
@@ -86,13 +82,24 @@ def _remove_dead_builds(directory: Path) -> None:
             Path(name).unlink(missing_ok=True)
 
 
-@functools.lru_cache(maxsize=1)
 def load() -> None:
-    """Build (or find built) and register the ops; raises where this machine cannot, saying why."""
+    """Build (or find built) and register the ops, once a process; raises where this machine cannot, saying why."""
+    why = _load_error()
+    if why is not None:
+        raise RuntimeError(why)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_error() -> str | None:
+    """Why the ops could not be loaded in this process, or None. Tried once, failure included: a failing build would
+    otherwise run again for every layer of the model, and a library loaded twice registers its ops twice."""
     why = tiled_moe_missing()
     if why:
-        raise RuntimeError(f"the decode MoE kernel cannot run here: {why}")
-    torch.ops.load_library(str(build()))
+        return f"the decode MoE kernel cannot run here: {why}"
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as e:
+        return str(e)
 
     @torch.library.register_fake("rlhf_cpu::decode_moe")
     def _(x, ids, weights, w13, w2):
@@ -102,16 +109,7 @@ def load() -> None:
     def _(w):
         return torch.empty_like(w)
 
-
-@functools.lru_cache(maxsize=1)
-def _load_error() -> str | None:
-    """Why the ops could not be loaded in this process, or None: tried once, not once a layer (a failing build
-    would otherwise run again for every layer of the model)."""
-    try:
-        load()
-        return None
-    except Exception as e:
-        return str(e)
+    return None
 
 
 def available(choice: Choice) -> bool:

@@ -257,10 +257,14 @@ def tiled_moe_missing() -> str | None:
     """Why this machine cannot build and run the tiled decode MoE kernel (actors/vllm/cpu_moe.py), or None."""
     if not cpu_has_flag("avx512_bf16"):
         return "this cpu has no avx512_bf16, which the tiled MoE kernel's dot products need"
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx!r}; set $CXX) to build the tiled MoE kernel"
+    if shutil.which(cxx()) is None:
+        return f"no C++ compiler ({cxx()!r}; set $CXX) to build the tiled MoE kernel"
     return None
+
+
+def cxx() -> str:
+    """The C++ compiler our cpu kernels are built with: $CXX, else c++."""
+    return os.environ.get("CXX", "c++")
 
 
 def compute_dtype_problems(cfg: RunConfig) -> list[Problem]:

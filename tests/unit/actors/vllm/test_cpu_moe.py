@@ -167,6 +167,8 @@ def test_tiled_is_refused_before_any_actor_where_the_machine_cannot(monkeypatch)
 
 
 def test_a_failed_build_is_tried_once_a_process_auto_falls_back_and_tiled_says_why(monkeypatch, caplog):
+    import functools
+
     from actors.vllm import cpu_moe
     from rlhf.schema import CpuMoeKernel
 
@@ -176,15 +178,14 @@ def test_a_failed_build_is_tried_once_a_process_auto_falls_back_and_tiled_says_w
         calls.append(1)
         raise RuntimeError("building decode_moe.cpp failed (c++ ...)")
 
-    monkeypatch.setattr(cpu_moe, "load", failing)
-    cpu_moe._load_error.cache_clear()
-    try:
-        with caplog.at_level("WARNING"):
-            assert [cpu_moe.available(CpuMoeKernel.auto) for _ in range(3)] == [False] * 3  # three layers
-        assert calls == [1]
-        assert "vLLM's MoE kernel serves (building decode_moe.cpp failed" in caplog.text
-        with pytest.raises(RuntimeError, match="rollout.cpu_moe_kernel=tiled: building decode_moe.cpp failed"):
-            cpu_moe.available(CpuMoeKernel.tiled)
-        assert cpu_moe.available(CpuMoeKernel.vllm) is False and calls == [1]
-    finally:
-        cpu_moe._load_error.cache_clear()  # the next caller loads for real
+    monkeypatch.setattr(cpu_moe, "tiled_moe_missing", lambda: None)  # a machine that could run it
+    monkeypatch.setattr(cpu_moe, "build", failing)
+    # a fresh process's memory of the outcome (the real one, which may hold the loaded ops, comes back after)
+    monkeypatch.setattr(cpu_moe, "_load_error", functools.lru_cache(maxsize=1)(cpu_moe._load_error.__wrapped__))
+    with caplog.at_level("WARNING"):
+        assert [cpu_moe.available(CpuMoeKernel.auto) for _ in range(3)] == [False] * 3  # three layers
+    assert calls == [1]
+    assert "vLLM's MoE kernel serves (building decode_moe.cpp failed" in caplog.text
+    with pytest.raises(RuntimeError, match="rollout.cpu_moe_kernel=tiled: building decode_moe.cpp failed"):
+        cpu_moe.available(CpuMoeKernel.tiled)
+    assert cpu_moe.available(CpuMoeKernel.vllm) is False and calls == [1]
