@@ -29,8 +29,9 @@ OUT = REPO / "out" / "sim_accuracy"
 TINY = ["model.path=out/sim_accuracy/tiny", "data.train_files=[out/sim_accuracy/tiny/train.jsonl]",
         "data.heldout_files=[out/sim_accuracy/tiny/heldout.jsonl]", "algorithm.dynamic_sampling=false",
         "data.gen_prompts_per_step=0", "tracking.trace=false"]
-# fp32, as the small runs of docs/simulate.md were measured (small_cpu.yaml ships bf16)
-SMALL = ["tracking.trace=false", "trainer.compute_dtype=float32", "rollout.dtype=float32"]
+# fp32 and synchronous, as the small runs of docs/simulate.md were measured (small_cpu.yaml ships bf16, staleness 1)
+SMALL = ["tracking.trace=false", "trainer.compute_dtype=float32", "rollout.dtype=float32", "stale_sync.max_staleness=0",
+         "algorithm.tis_cap=0", "rollout.num_engines=2", "rollout.sleep_level=2", "placement.rollout.devices=0-1"]
 ONE_DEVICE = ["placement.trainer.devices=0", "placement.reference.devices=0", "placement.rollout.devices=0"]
 
 

@@ -30,7 +30,7 @@ def candidate_of(cfg: RunConfig) -> Candidate:
     td, rd = set(dm.devices_of("trainer")), set(dm.devices_of("rollout"))
     return Candidate(trainer_choice(cfg.trainer), engine_choice(cfg.rollout), colocated=bool(td & rd),
                      trainer_devices=len(td), rollout_devices=len(rd), staleness=cfg.stale_sync.max_staleness,
-                     quantization=cfg.rollout.quantization.value)
+                     quantization=cfg.rollout.quantization.value, awake=cfg.rollout.sleep_level == 0)
 
 
 def _plan_sync(cfg: RunConfig) -> Sync:
@@ -137,6 +137,8 @@ def write_config(cfg: RunConfig, c: Candidate, hw: Hardware, out: str | Path) ->
         run["algorithm"]["tis_cap"] = 2.0
     if c.colocated and not hw.shared_memory:  # the memory priced: the roles take turns, engines asleep
         run["rollout"]["sleep_level"] = run["rollout"]["sleep_level"] or 1
+    if c.colocated and c.awake:  # priced overlapping the trainer on the shared cores: they must stay awake
+        run["rollout"]["sleep_level"] = 0
     if c.colocated and c.staleness and run["rollout"]["sleep_level"]:
         run["stale_sync"]["partial_rollout"] = False  # turns: a sync never meets a generation
     n = c.devices

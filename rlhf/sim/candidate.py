@@ -67,6 +67,9 @@ class Candidate:
     rollout_devices: int = 0
     staleness: int = 0
     quantization: str = "none"  # the engines' weights (rollout.quantization)
+    # co-located engines that never sleep (rollout.sleep_level 0): under StaleSync they generate beside the
+    # trainer's work instead of taking turns with it (docs/stale_sync.md, "Co-located placements")
+    awake: bool = False
 
     @property
     def devices(self) -> int:
@@ -83,7 +86,8 @@ class Candidate:
                                                     f"{self.rollout_devices or self.engines.world}"
         return (f"trainer {self.trainer}, engines {self.engines}"
                 + (f" {self.quantization}" if self.quantization != "none" else "") + f", {where}"
-                + (f", staleness {self.staleness}" if self.staleness else ""))
+                + (f", staleness {self.staleness}" if self.staleness else "")
+                + (", engines awake" if self.awake and self.colocated and self.staleness else ""))
 
 
 def trainer_choice(t: TrainerConfig) -> TrainerChoice:

@@ -266,21 +266,23 @@ def producer_seconds(generate: float, reward: float, waves: int = 1) -> float:
     return max(generate + reward / waves, reward + generate / waves)
 
 
-def step_seconds(phases: dict, c: Candidate, waves: int = 1) -> float:
+def step_seconds(phases: dict, c: Candidate, waves: int = 1, shared_cores: bool = False) -> float:
     """Synchronous (staleness 0): the producer's work (`producer_seconds`), then every other phase. With a
     staleness bound >= 1 the producer generates the next batch while the trainer trains this one: disaggregated
-    pools overlap the producer's work with the trainer's phases and the sync waits for both; co-located roles
-    share the devices, so generation and the trainer's phases (with the sync and the switches) still follow
-    each other there, and what leaves the step is the work off the devices: the reward (its own workers) beside
-    the trainer's turn, the driver's bookkeeping beside generation (`rlhf.driver.turns`). The step is then the
-    longest of the devices' work, the producer's and the trainer's (its turn, then the driver's). `waves`: the
-    waves whose groups are scored as they finish (1 when scored whole)."""
+    pools overlap the producer's work with the trainer's phases and the sync waits for both; so do co-located
+    roles whose engines stay awake on cpu (`shared_cores`: the devices are the node's cores, each rank a thread
+    the cores share; `shared_cores_floor` prices the sharing). Other co-located roles share the devices, so
+    generation and the trainer's phases (with the sync and the switches) still follow each other there, and what
+    leaves the step is the work off the devices: the reward (its own workers) beside the trainer's turn, the
+    driver's bookkeeping beside generation (`rlhf.driver.turns`). The step is then the longest of the devices'
+    work, the producer's and the trainer's (its turn, then the driver's). `waves`: the waves whose groups are
+    scored as they finish (1 when scored whole)."""
     gen = producer_seconds(phases["generate"], phases["reward"], waves)
     train = phases["reference"] + phases["logprobs"] + phases["update"]
     rest = phases["sync"] + phases["offload"] + phases["driver"]
     if c.staleness < 1:
         return gen + train + rest
-    if not c.colocated:
+    if not c.colocated or (c.awake and shared_cores):
         return max(gen, train) + rest
     devices = phases["generate"] + train + phases["sync"] + phases["offload"]
     return max(devices, gen, train + rest)
@@ -288,14 +290,17 @@ def step_seconds(phases: dict, c: Candidate, waves: int = 1) -> float:
 
 def shared_cores_floor(phases: dict, c: Candidate, hw: Hardware) -> float:
     """cpu: stand-in devices are the node's cores (`devices_per_node`), and a placement on more stand-in devices
-    than that shares them. Separate pools overlapping under StaleSync then take at least their busy core-seconds
-    (each engine rank and trainer rank a core while it works) over the cores, plus the phases that overlap
-    nothing. 0 where the devices are real or the roles do not overlap."""
-    if not hw.shared_memory or c.colocated or c.staleness < 1 or c.devices <= hw.devices_per_node:
+    than that shares them, as co-located roles whose engines stay awake share theirs. Roles overlapping under
+    StaleSync there take at least their busy core-seconds (each engine rank and trainer rank a core while it
+    works) over the cores, plus the phases that overlap nothing. 0 where the devices are real or the roles do
+    not overlap (synchronous, or co-located taking turns)."""
+    if not hw.shared_memory or c.staleness < 1 or (c.colocated and not c.awake):
+        return 0.0
+    if not c.colocated and c.devices <= hw.devices_per_node:
         return 0.0
     train = phases["reference"] + phases["logprobs"] + phases["update"]
     busy = phases["generate"] * c.engines.world + train * c.trainer.world + phases["reward"]
-    return busy / hw.devices_per_node + phases["sync"] + phases["offload"] + phases["driver"]
+    return busy / min(c.devices, hw.devices_per_node) + phases["sync"] + phases["offload"] + phases["driver"]
 
 
 def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, sync: Sync | None = None,
@@ -311,7 +316,8 @@ def simulate_candidate(mc: ModelCost, w: Workload, hw: Hardware, c: Candidate, s
     phases["sync"] = sync_seconds(mc, w, hw, c, sync)
     phases["offload"] = offload_seconds(mc, w, hw, c)
     phases["driver"] = _phase(hw, "driver", 0.0, 1)  # the driver's own work and its calls, per step
-    step = max(step_seconds(phases, c, shape["waves"] if w.streamed else 1), shared_cores_floor(phases, c, hw))
+    step = max(step_seconds(phases, c, shape["waves"] if w.streamed else 1, hw.shared_memory),
+               shared_cores_floor(phases, c, hw))
     mem = memory_per_device(mc, w, hw, c)
     fits = not hw.memory_gib or mem["device"] <= hw.memory_gib
     return {"step_seconds": step, "tokens_per_second": w.generated_tokens / step if step else 0.0,

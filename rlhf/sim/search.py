@@ -202,7 +202,8 @@ def search(mc: ModelCost, m: ModelConfig, w: Workload, hw: Hardware, devices: in
         for colocated, nt, nr, s in _placements(devices, hw, space):
             for t, ph in trainers(nt, q):
                 for e, g in engines(nr, 0 if colocated else nt, q):
-                    c = Candidate(t, e, colocated, nt, nr, s, q)
+                    # on cpu every process stays resident (its memory priced so), and awake engines overlap
+                    c = Candidate(t, e, colocated, nt, nr, s, q, awake=colocated and s > 0 and hw.shared_memory)
                     r = simulate_candidate(mc, loads[q], hw, c, trainer=ph, generate=g)
                     evaluated += 1
                     if r["fits"]:

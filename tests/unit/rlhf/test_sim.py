@@ -154,15 +154,46 @@ def test_search_keeps_only_layouts_the_model_splits_by_and_that_fit():
         assert 256 % t.expert_shards == 0 and 128 % t.tp == 0 and (e.ep == 1 or 256 % e.ep == 0)
 
 
+SMALL_SYNC = ["stale_sync.max_staleness=0", "algorithm.tis_cap=0", "rollout.num_engines=2", "rollout.sleep_level=2",
+              "placement.rollout.devices=0-1"]
+
+
 def test_simulate_prints_the_phases_and_a_json_line(capsys):
-    assert main(["simulate", str(ROOT / "configs" / "small_cpu.yaml"), "--response-tokens", "100"]) == 0
+    assert main(["simulate", str(ROOT / "configs" / "small_cpu.yaml"), "--response-tokens", "100", *SMALL_SYNC]) == 0
     out, err = capsys.readouterr()
     r = json.loads(out.strip().splitlines()[-1])
     for key in ("step_seconds", "tokens_per_second", "phases", "memory_gib_per_device", "fits"):
         assert key in r
     assert r["tokens_per_second"] == pytest.approx(8 * 8 * 100 / r["step_seconds"])
-    assert r["step_seconds"] == pytest.approx(sum(r["phases"].values()))  # co-located: one after the other
+    assert r["step_seconds"] == pytest.approx(sum(r["phases"].values()))  # synchronous: one after the other
     assert "update" in err and "generate" in err
+
+
+def test_awake_colocated_engines_overlap_the_trainer_on_cpu_cores_and_take_turns_on_an_accelerator():
+    """`configs/small_cpu.yaml` as shipped (staleness 1, one engine awake on core 1 beside the two trainer ranks):
+    generation runs beside the update, so the step is at least each side's work and at least the busy
+    core-seconds over the two cores, and below the phases' sum. The same placement on devices that are not
+    shared cores (an accelerator) takes turns: no overlap of generation with the update."""
+    from rlhf.report import candidate_of
+    from rlhf.sim.cost import shared_cores_floor
+
+    cfg = load_run_config(ROOT / "configs" / "small_cpu.yaml")
+    c, w, mc = candidate_of(cfg), workload(cfg, response_tokens=128), model_cost(cfg.model)
+    assert c.colocated and c.awake and c.staleness == 1 and c.devices == 2
+    cpu = load_hardware("cpu_2core")
+    r = simulate_candidate(mc, w, cpu, c)
+    p = r["phases"]
+    rest = p["sync"] + p["offload"] + p["driver"]
+    busy = p["generate"] * 1 + p["update"] * 2 + p["reward"]
+    assert shared_cores_floor(p, c, cpu) == pytest.approx(busy / 2 + rest)
+    assert r["step_seconds"] == pytest.approx(max(p["generate"] + p["reward"], p["update"] + rest, busy / 2 + rest))
+    assert r["step_seconds"] < sum(p.values()) - 0.2 * p["generate"]
+    asleep = simulate_candidate(mc, w, cpu, replace(c, awake=False))  # sleeping engines: turns
+    assert asleep["step_seconds"] > r["step_seconds"]
+    assert asleep["step_seconds"] == pytest.approx(p["generate"] + p["update"] + p["sync"] + p["offload"], rel=1e-6)
+    gpu = replace(cpu, device_type="cuda")  # devices that are not the node's cores: awake roles still share each
+    turns = simulate_candidate(mc, w, gpu, c)
+    assert turns["step_seconds"] >= turns["phases"]["generate"] + turns["phases"]["update"]
 
 
 def test_cli_simulate_starts_nothing():
