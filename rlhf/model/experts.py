@@ -3,7 +3,8 @@
 
 Two kernels with the same maths. `grouped_swiglu` lays the rows out grouped by expert (each group padded with zero
 rows to a multiple, where the kernel wants one) and runs one grouped matrix multiply per projection over all experts
-(`torch._grouped_mm`, forward and backward: torch's own kernels on cuda, one C++ loop of matmuls on cpu). The
+(`torch._grouped_mm`: torch's own kernels on cuda, one C++ loop of matmuls on cpu); on cpu the weights' gradients
+are made an expert at a time and added into the parameters' fp32 gradients in place (`_GroupedLinear`). The
 loop, `looped_swiglu`, makes two Python-level matmuls per expert; it is the reference the tests compare with, and
 the path where torch has no grouped multiply for a device and dtype (cuda takes bf16 only).
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf.model.layers import inverse_permutation, permute_rows
+from rlhf.model.layers import add_into, grad_into, inverse_permutation, permute_rows
 
 
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
@@ -33,11 +34,12 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cuda" and dtype is torch.bfloat16
 
 
-def grouped_mm_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the stacks meet `torch._grouped_mm`'s layout rules: every operand's strides (rows of H and of I
-    elements) a multiple of 16 bytes and the stacks' data 16-byte aligned (cuda's kernels load by 16 bytes; torch
-    refuses other strides on cpu too). A model whose hidden or expert size breaks them takes the loop."""
-    size = gate_up.element_size()
+def grouped_mm_fits(gate_up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether the stacks (or their casts to `dtype`) meet `torch._grouped_mm`'s layout rules: every operand's
+    strides (rows of H and of I elements) a multiple of 16 bytes and the stacks' data 16-byte aligned (cuda's
+    kernels load by 16 bytes; torch refuses other strides on cpu too). A model whose hidden or expert size breaks
+    them takes the loop."""
+    size = (dtype or gate_up.dtype).itemsize
     H, I = down.shape[1], down.shape[2]
     return (H * size) % 16 == 0 and (I * size) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (gate_up, down))
 
@@ -102,15 +104,74 @@ class _GatherRows(torch.autograd.Function):
         return _buffer(grad, ctx.rows).index_copy_(0, dest, grad), None
 
 
+def _weight_grads(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor,
+                  into: torch.Tensor | None) -> torch.Tensor | None:
+    """Each group's weight gradient dy_e.T @ x_e ([N, K]), one matmul per expert with rows. With `into` (an fp32
+    gradient buffer [E, N, K]) each is made in one reused block and added into its expert's part in place, and
+    None returned; else the [E, N, K] gradient in the operands' dtype (zeros for experts without rows)."""
+    full = None if into is not None else dy_PN.new_zeros(len(offs_E), dy_PN.shape[1], x_PK.shape[1])
+    block, start = None, 0
+    for e, end in enumerate(offs_E.tolist()):
+        if end > start:
+            a, b = dy_PN[start:end].T, x_PK[start:end]
+            if full is not None:
+                torch.mm(a, b, out=full[e])
+            else:
+                block = torch.mm(a, b) if block is None else torch.mm(a, b, out=block)
+                add_into(into[e], block)
+        start = end
+    return full
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y = x_e @ w[e].T for each group's rows (`torch._grouped_mm`), with the weight's gradient made an expert at a
+    time (`_weight_grads`) and, where `param` (the fp32 parameter `w` was cast from) has a gradient buffer
+    (`grad_into`), added into it in place. torch's own backward makes the whole stack's gradient in a fresh tensor
+    on every call (8 MB for the small model's gate_up on an EP rank), zero-filled for empty experts, which the
+    gradient's cast then adds: on cpu the fresh pages' first touch cost more than the multiplies that filled them
+    (docs/throughput.md, "The update"). Gradients for `w` where no `param` is given (a cast made by the caller)."""
+
+    @staticmethod
+    def forward(ctx, x_PK, w_ENK, offs_E, param):
+        ctx.save_for_backward(x_PK, offs_E)
+        ctx.w, ctx.param = w_ENK.detach(), param
+        return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_PN):
+        x_PK, offs_E = ctx.saved_tensors
+        dx = torch._grouped_mm(dy_PN, ctx.w, offs=offs_E) if ctx.needs_input_grad[0] else None
+        dw = dparam = None
+        if ctx.needs_input_grad[3]:
+            into = grad_into(ctx.param)
+            g = _weight_grads(dy_PN, x_PK, offs_E, into)
+            dparam = None if g is None else g.to(ctx.param.dtype)
+        elif ctx.needs_input_grad[1]:
+            dw = _weight_grads(dy_PN, x_PK, offs_E, None)
+        return dx, dw, None, dparam
+
+
+def _grouped_linear(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                    param: torch.Tensor | None) -> torch.Tensor:
+    """x_PK's groups times their experts' w_ENK.T: our backward on cpu or for a `param`; elsewhere torch's (on cuda
+    one grouped kernel makes the stack's gradient)."""
+    if x_PK.device.type == "cpu" or param is not None:
+        return _GroupedLinear.apply(x_PK, w_ENK, offs_E, param)
+    return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offs_E)
+
+
 def grouped_swiglu(x_RH: torch.Tensor, expert_R: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   multiple: int = 1) -> torch.Tensor:
+                   multiple: int = 1, params: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Row r through SwiGLU expert `expert_R[r]`: two grouped multiplies over every expert of the stacks, in the
-    dtype of `gate_up` and `down` (x is cast to it). `multiple`: each expert's rows padded to a multiple of it."""
+    dtype of `gate_up` and `down` (x is cast to it). `multiple`: each expert's rows padded to a multiple of it.
+    `params`: the fp32 parameters the stacks were cast from (without autograd), which receive their gradients
+    (in place where they have gradient buffers); without it the gradients flow to `gate_up` and `down`."""
     layout = GroupedRows.of(expert_R, gate_up.shape[0], multiple)
     dtype = gate_up.dtype
+    p_gu, p_d = params if params is not None else (None, None)
     x_PH = _ScatterRows.apply(x_RH.to(dtype), layout.dest_R, layout.rows)
-    gate, up = torch._grouped_mm(x_PH, gate_up.transpose(1, 2), offs=layout.offs_E).chunk(2, dim=-1)
-    y_PH = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=layout.offs_E)
+    gate, up = _grouped_linear(x_PH, gate_up, layout.offs_E, p_gu).chunk(2, dim=-1)
+    y_PH = _grouped_linear(F.silu(gate) * up, down, layout.offs_E, p_d)
     return _GatherRows.apply(y_PH, layout.dest_R)
 
 

@@ -23,6 +23,8 @@ I expert FFN size, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,12 +199,19 @@ class Experts(nn.Module):
         device = x_RH.device.type
         gate_up, down = self.gate_up_proj, self.down_proj
         dtype = autocast_dtype(device)
+        multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
+        compute = dtype or gate_up.dtype
+        if grouped_mm_supported(device, compute) and grouped_mm_fits(gate_up, down, compute):
+            # On cpu the grouped backward adds the stacks' gradients into the parameters' own (`grouped_swiglu`'s
+            # `params`), so the casts carry no autograd. One cast of each stack per step (`casts_kept`).
+            params = (gate_up, down) if device == "cpu" else None
+            if dtype is not None:
+                with torch.no_grad() if params else contextlib.nullcontext():
+                    gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
+            with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already
+                return grouped_swiglu(x_RH, expert_R, gate_up, down, multiple, params)
         if dtype is not None:  # one cast of each stack per step (`casts_kept`), not one per expert and call
             gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
-        multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
-        if grouped_mm_supported(device, gate_up.dtype) and grouped_mm_fits(gate_up, down):
-            with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already
-                return grouped_swiglu(x_RH, expert_R, gate_up, down, multiple)
         return looped_swiglu(x_RH, expert_R, gate_up, down, multiple)
 
 

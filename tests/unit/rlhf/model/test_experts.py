@@ -93,7 +93,7 @@ def test_forward_rows_takes_the_grouped_path_on_cpu(monkeypatch):
     import rlhf.model.qwen3_moe as q
 
     calls = []
-    monkeypatch.setattr(q, "grouped_swiglu", lambda *a: calls.append(a[2].dtype) or looped_swiglu(*a))
+    monkeypatch.setattr(q, "grouped_swiglu", lambda *a: calls.append(a[2].dtype) or looped_swiglu(*a[:5]))
     cfg = ModelConfig(vocab_size=48, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=I)
     experts = Experts(cfg)
@@ -170,3 +170,38 @@ def test_replayed_routes_give_the_loops_logprobs_and_gradients(monkeypatch):
     assert g_grouped.keys() == g_loop.keys()
     for n in g_loop:
         assert torch.allclose(g_grouped[n], g_loop[n], rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_gradient_goes_into_the_parameters_buffer_bit_for_bit(dtype):
+    """On cpu `grouped_swiglu(..., params=...)` (what `Experts.forward_rows` calls there) makes each expert's weight
+    gradient by itself and adds it into the fp32 parameter's gradient buffer in place, skipping experts without
+    rows: the same bits as torch's grouped backward added into the buffer (fp32 and bf16 operands), the buffer
+    the same tensor, the casts without autograd."""
+    g = torch.Generator().manual_seed(9)
+    expert_R = ROUTES["uneven"](g)  # experts 2, 3, 5, 6, 7 empty
+    x = torch.randn(len(expert_R), H, generator=g)
+    gate_up, down = stacks(8, seed=10)
+    w = torch.linspace(-1, 1, len(expert_R) * H).view(len(expert_R), H)
+    multiple = 64 if dtype is torch.bfloat16 else 1
+
+    casts = [p.detach().to(dtype).requires_grad_() for p in (gate_up, down)]  # torch's backward, into the casts
+    (grouped_swiglu(x, expert_R, *casts, multiple).float() * w).sum().backward()
+    want = [p.grad.float() for p in casts]
+
+    buffers = [torch.full_like(p, 0.5) for p in (gate_up, down)]  # a buffer from earlier micro-batches
+    for p, b in zip((gate_up, down), buffers):
+        p.grad = b
+    with torch.no_grad():
+        plain = [p.to(dtype) for p in (gate_up, down)]  # in fp32 the parameters themselves, as forward_rows has it
+    y = grouped_swiglu(x, expert_R, *plain, multiple, params=(gate_up, down))
+    (y.float() * w).sum().backward()
+    for p, b, ref in zip((gate_up, down), buffers, want):
+        assert p.grad is b and torch.equal(b, ref + 0.5)
+        assert torch.equal(b[[2, 3, 5, 6, 7]], torch.full_like(b[[2, 3, 5, 6, 7]], 0.5))
+    assert dtype is torch.float32 or all(t.grad is None and t.grad_fn is None for t in plain)
+
+    for p in (gate_up, down):  # no buffer yet: autograd accumulates the fp32 gradient
+        p.grad = None
+    (grouped_swiglu(x, expert_R, *plain, multiple, params=(gate_up, down)).float() * w).sum().backward()
+    assert all(torch.equal(p.grad, ref) for p, ref in zip((gate_up, down), want))
