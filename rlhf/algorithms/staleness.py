@@ -12,8 +12,10 @@ Legend: B samples, T response tokens.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where the weights are computed: the queue's shards (actors) never load it
+    import torch
 
 
 def staleness(step: int, version: int) -> int:
@@ -49,6 +51,8 @@ def importance_stats(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, m
     """The behaviour weights pi_proximal / pi_behaviour of the decoupled objective over the response tokens
     (old_logp: the trainer's logprobs at the start of the update; rollout_logp: the engine's, of the
     weights that sampled): mean, max, 99th percentile and the share truncated at `cap`."""
+    import torch
+
     w = torch.exp(old_logp_BT.double() - rollout_logp_BT.double())[mask_BT.bool()]
     if w.numel() == 0:
         return {}
