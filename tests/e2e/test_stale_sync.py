@@ -153,6 +153,32 @@ def test_co_located_engines_that_sleep_take_turns_with_the_trainer(tiny, ray_ses
         assert all(any(t0 - slack <= c0 and c1 <= t1 + slack for t0, t1 in training) for c0, c1 in calls), name
 
 
+def test_an_awake_co_located_engine_generates_beside_the_update(tiny, ray_session, tmp_path):
+    """`configs/small_cpu.yaml`'s layout on the tiny model: staleness 1, one engine awake on device 1 beside the
+    dp2 x ep2 trainer on both devices. No turns are taken: the engine generates the next batch while the trainer
+    updates (a rollout span overlaps an update span in the trace), no sample is older than the bound, and every
+    group is trained on once, in order."""
+    d, _ = tiny
+    out = tmp_path / "awake"
+    result = train(_cfg(d, out, "steps=4", "eval_every=100", "stale_sync.max_staleness=1", "algorithm.tis_cap=2",
+                        "rollout.sleep_level=0", "rollout.num_engines=1", "placement.rollout.devices=1",
+                        "rollout.max_new_tokens=16", config=COLOCATED))
+    P = 32
+    steps = _steps(out)
+    assert result["steps_run"] == 4 and result["samples_dropped"] == 0 and result["parity_violations"] == 0
+    assert max(m["stale/staleness_max"] for m in steps) == 1
+    assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(4)]
+    assert not any("stale/turn_wait_seconds_training" in m for m in steps)
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+
+    def spans(name):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
+
+    rollouts, updates = spans("rollout"), spans("update")
+    assert not spans("rollout turn") and len(updates) >= 4 * 2
+    assert any(min(r1, u1) > max(r0, u0) for r0, r1 in rollouts for u0, u1 in updates)
+
+
 def test_a_dead_producer_is_reported_with_its_role_and_rank(tiny, ray_session, tmp_path):
     """The reward worker dies while the producer scores a batch ahead: the run stops at once with an error
     naming the role and rank, instead of the trainer waiting for a batch that never comes."""
