@@ -132,6 +132,15 @@ class MemorySampler:
             out.flush()
 
 
+def hidden_share(phases: dict[str, float]) -> dict[str, float]:
+    """Under StaleSync the generate phase runs beside the trainer's work, and `generate_over_floor` then reads a
+    phase stretched by the cores it shares: `generate_hidden_share` is the part of it the trainer did not wait for
+    (1 - time/wait_for_rollouts over time/generate). Nothing for the synchronous loop."""
+    if "wait_for_rollouts" not in phases or not phases.get("generate"):
+        return {}
+    return {"generate_hidden_share": round(max(0.0, 1 - phases["wait_for_rollouts"] / phases["generate"]), 3)}
+
+
 def measured(steps: list[dict]) -> tuple[float, int, dict[str, float]]:
     """(step seconds, generated tokens, mean seconds per phase) of the measured steps' records. A step's
     seconds leave out its held-out evaluation (the run's last step ends with one), as `rlhf train`'s
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
            "tokens_per_second": round(tokens / seconds, 1), "seconds_per_step": round(seconds / len(steps), 2),
            "generated_tokens_per_step": tokens / len(steps),
            "phase_seconds": {k: round(v, 3) for k, v in sorted(phases.items())},
-           **floors, "machine": {k: round(v, 3) for k, v in rates.items()},
+           **floors, **hidden_share(phases), "machine": {k: round(v, 3) for k, v in rates.items()},
            "sync_bytes_per_step": result["sync_bytes_per_step"], "sync_share": result["sync_share"],
            "peak_memory_gib": round((mem.peak_used - mem.idle) / gib, 2),
            "peak_memory_gib_psutil": round((mem.peak_used_raw - mem.idle_raw) / gib, 2),

@@ -34,6 +34,12 @@ def _steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
 
 
+def _spans(out: Path):
+    """The run's trace: name -> its complete events' (start, end) in microseconds."""
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    return lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
+
+
 def test_staleness_zero_is_the_synchronous_loop(tiny, ray_session, tmp_path):
     """With a KL term to a reference model: the asynchronous driver's producer computes each batch's reference
     logprobs as soon as the batch is made, the synchronous loop in the step; the metrics are the same."""
@@ -139,11 +145,7 @@ def test_co_located_engines_that_sleep_take_turns_with_the_trainer(tiny, ray_ses
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(5)]
     assert lines[2]["actor/loss"] == lines[3]["actor/loss"]  # the redone step: the same groups, the same update
     assert all("stale/turn_wait_seconds_training" in m for m in steps)
-    events = json.loads((out / "trace.json").read_text())["traceEvents"]
-
-    def spans(name):  # (start, end) in microseconds
-        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
-
+    spans = _spans(out)
     rollout, training, slack = spans("rollout turn"), spans("training turn"), 1e3  # µs: rounding, clocks
     assert len(training) >= 6 and len(rollout) >= 5  # six steps trained, one more turn cut short by the kill
     assert all(r1 <= t0 + slack or t1 <= r0 + slack for r0, r1 in rollout for t0, t1 in training)  # never both
@@ -169,11 +171,7 @@ def test_an_awake_co_located_engine_generates_beside_the_update(tiny, ray_sessio
     assert max(m["stale/staleness_max"] for m in steps) == 1
     assert [(m["stale/seq_first"], m["stale/seq_last"]) for m in steps] == [(i * P, i * P + P - 1) for i in range(4)]
     assert not any("stale/turn_wait_seconds_training" in m for m in steps)
-    events = json.loads((out / "trace.json").read_text())["traceEvents"]
-
-    def spans(name):
-        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"]
-
+    spans = _spans(out)
     rollouts, updates = spans("rollout"), spans("update")
     assert not spans("rollout turn") and len(updates) >= 4 * 2
     assert any(min(r1, u1) > max(r0, u0) for r0, r1 in rollouts for u0, u1 in updates)

@@ -13,3 +13,11 @@ def test_evaluation_is_left_out_of_step_seconds_and_tokens_per_second():
     assert seconds == pytest.approx(21.0)  # 10 + (15 - 4)
     assert tokens == 1800
     assert phases == pytest.approx({"step": 12.5, "update": 6.5, "evaluate": 2.0})
+
+
+def test_the_hidden_share_of_generation_is_printed_under_stalesync_only():
+    from benchmarks.e2e_bench import hidden_share
+
+    assert hidden_share({"generate": 3.0, "update": 7.0}) == {}  # synchronous: no wait_for_rollouts
+    assert hidden_share({"generate": 5.0, "wait_for_rollouts": 0.5}) == {"generate_hidden_share": 0.9}
+    assert hidden_share({"generate": 2.0, "wait_for_rollouts": 3.0}) == {"generate_hidden_share": 0.0}
