@@ -201,17 +201,16 @@ class Experts(nn.Module):
         dtype = autocast_dtype(device)
         multiple = EXPERT_ROWS_MULTIPLE if dtype is torch.bfloat16 and device == "cpu" else 1
         compute = dtype or gate_up.dtype
-        if grouped_mm_supported(device, compute) and grouped_mm_fits(gate_up, down, compute):
-            # On cpu the grouped backward adds the stacks' gradients into the parameters' own (`grouped_swiglu`'s
-            # `params`), so the casts carry no autograd. One cast of each stack per step (`casts_kept`).
-            params = (gate_up, down) if device == "cpu" else None
-            if dtype is not None:
-                with torch.no_grad() if params else contextlib.nullcontext():
-                    gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
+        grouped = grouped_mm_supported(device, compute) and grouped_mm_fits(gate_up, down, compute)
+        # On cpu the grouped backward adds the stacks' gradients into the parameters' own (`grouped_swiglu`'s
+        # `params`), so the casts there carry no autograd.
+        params = (gate_up, down) if grouped and device == "cpu" else None
+        if dtype is not None:  # one cast of each stack per step (`casts_kept`), not one per expert and call
+            with torch.no_grad() if params else contextlib.nullcontext():
+                gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
+        if grouped:
             with torch.autocast(device, enabled=False):  # the operands are in the compute dtype already
                 return grouped_swiglu(x_RH, expert_R, gate_up, down, multiple, params)
-        if dtype is not None:  # one cast of each stack per step (`casts_kept`), not one per expert and call
-            gate_up, down = cast_once(gate_up, dtype), cast_once(down, dtype)
         return looped_swiglu(x_RH, expert_R, gate_up, down, multiple)
 
 
