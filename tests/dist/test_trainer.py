@@ -246,20 +246,23 @@ def test_bf16_compute_layout_equals_single_process_under_autocast(name, model_di
         assert all(t.dtype == torch.float32 for t in res["params"].values())
 
 
-def test_bf16_compute_with_tensor_parallelism_stays_within_bf16_rounding(model_dir):
+def test_bf16_compute_with_tensor_parallelism_stays_within_bf16_rounding(model_dir, ref):
     """Tensor parallelism rounds each rank's partial sums (attention output, down projections) to bf16 before
     the all-reduce adds them, where one process rounds the whole sum once: most logprobs within a few bf16 ulps
     (median under 0.02 at these -3 to -8 logprobs of a random model with large weights), and where that tips a
-    router's near-tie to another expert a token moves more (seen: 0.36); so the median is held to bf16 rounding
-    and gradients are compared by their norm (1 %) rather than element by element."""
+    router's near-tie to another expert a token moves more (seen: 0.36). Such flips move the gradient norm by
+    several percent either way (one process in bf16 against fp32: 1-3 % with this model, as attention's rounding
+    tips one more tie or one fewer), so the norm is held to 1 % or to twice one process's own bf16 distance from
+    fp32, whichever is larger: parallelism adds no more than bf16 itself does."""
     layout, kw = LAYOUTS["tp2xep2"]
-    ref = reference(model_dir, compute=torch.bfloat16)
+    ref_bf16 = reference(model_dir, compute=torch.bfloat16)
+    tol = max(RTOL_BF16 * ref_bf16["norm"], 2 * abs(ref_bf16["norm"] - ref["norm"]))
     results = run_ranks(worker, layout.world_size, layout, str(model_dir),
                         dict(kw) | {"tcfg": {"compute_dtype": DType.bfloat16}}, timeout_s=240)
     for res in results:
-        assert abs(res["norm"] - ref["norm"]) <= RTOL_BF16 * ref["norm"], (res["norm"], ref["norm"])
+        assert abs(res["norm"] - ref_bf16["norm"]) <= tol, (res["norm"], ref_bf16["norm"], ref["norm"])
         if res["logp"] is not None:
-            diff = (torch.cat([lp for lp, _ in res["logp"]]) - ref["logp"][res["rows"]]).abs()
+            diff = (torch.cat([lp for lp, _ in res["logp"]]) - ref_bf16["logp"][res["rows"]]).abs()
             assert diff.median() <= 0.02 and diff.max() <= 1.0, (diff.median(), diff.max())
 
 
