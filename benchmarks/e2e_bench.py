@@ -12,7 +12,9 @@ the update's and generation's floors and each phase over its floor (`update_floo
 `update_over_floor`, `generate_floor_seconds`, `generate_over_floor`: benchmarks/floors.py, at the rates measured
 here before the run, under `machine`), `sync_bytes_per_step`, `peak_memory_gib` (the machine's use above what it
 used before the run, free pages in the kernel's per-CPU lists not counted; `peak_memory_gib_psutil` counts them, as
-`free` does) and per role (resident memory by process title).
+`free` does) and per role (resident memory by process title), and where the cores went in the measured steps:
+`cpu_seconds_per_step` by role (user and system seconds of the role's processes), their sum and `cores_busy` (that
+sum over the step's seconds times the cores).
 """
 
 from __future__ import annotations
@@ -66,12 +68,16 @@ class MemorySampler:
     """Resident memory of this process and all its descendants (Ray workers, vLLM processes), sampled
     every `period` seconds; the peak, and each role's peak by process title (`ray::TrainerWorker`, ...). The
     machine's use is psutil's `used` less the free pages in the kernel's per-CPU lists (`cpu_list_free_bytes`);
-    the peak of psutil's own figure is kept too (`peak_used_raw`)."""
+    the peak of psutil's own figure is kept too (`peak_used_raw`). With `steps_file`, also each role's CPU
+    seconds (user and system) between the samples that first see `warmup` and `total` lines in it: where the
+    machine's cores went in the measured steps (`cpu_seconds`)."""
 
     ROLES = {"TrainerWorker": "trainer", "PolicyWorker": "reference", "VLLMEngine": "rollout", "VLLM": "rollout",
-             "RewardWorker": "reward", "RuleRewardWorker": "reward"}
+             "RewardWorker": "reward", "RuleRewardWorker": "reward", "DistQueue": "queue", "raylet": "ray",
+             "gcs_server": "ray", "dashboard": "ray", "log_monitor": "ray", "e2e_bench": "driver"}
 
-    def __init__(self, period: float = 0.5, timeline: Path | None = None):
+    def __init__(self, period: float = 0.5, timeline: Path | None = None, steps_file: Path | None = None,
+                 warmup: int = 0, total: int = 0):
         import psutil
 
         self.psutil, self.period, self.timeline = psutil, period, timeline
@@ -79,6 +85,9 @@ class MemorySampler:
         self.idle = self.idle_raw - cpu_list_free_bytes()
         self.peak_used, self.peak_used_raw, self.peak_tree, self.peak_roles = 0, 0, 0, {}
         self.roles_at_peak: dict[str, int] = {}  # each role's memory when the machine's use peaked
+        self.steps_file, self.marks = steps_file, (warmup, total)
+        self.cpu_of: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds when last seen)
+        self.cpu_at: list[dict[str, float]] = []  # each role's CPU seconds at the marks reached
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -110,12 +119,14 @@ class MemorySampler:
         tree = 0
         for p in procs:
             try:
-                rss, title = p.memory_info().rss, " ".join(p.cmdline()[:1])
+                rss, title, cpu = p.memory_info().rss, " ".join(p.cmdline()[:3]), p.cpu_times()
             except self.psutil.Error:
                 continue
             tree += rss
             role = next((r for key, r in self.ROLES.items() if key in title), "other")
             roles[role] = roles.get(role, 0) + rss
+            self.cpu_of[p.pid] = (role, cpu.user + cpu.system)
+        self._mark()
         raw = self.psutil.virtual_memory().used
         lists = cpu_list_free_bytes()
         used = raw - lists
@@ -132,6 +143,28 @@ class MemorySampler:
             out.flush()
 
 
+    def _mark(self) -> None:
+        """Each role's CPU seconds so far, once the steps file first holds as many lines as the next mark."""
+        if self.steps_file is None or len(self.cpu_at) == len(self.marks):
+            return
+        try:
+            lines = self.steps_file.read_bytes().count(b"\n")
+        except OSError:
+            lines = 0
+        if lines >= self.marks[len(self.cpu_at)]:
+            by_role: dict[str, float] = {}
+            for role, seconds in self.cpu_of.values():
+                by_role[role] = by_role.get(role, 0.0) + seconds
+            self.cpu_at.append(by_role)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds each role spent between the two marks (empty if the run did not reach both)."""
+        if len(self.cpu_at) < 2:
+            return {}
+        start, end = self.cpu_at
+        return {r: end[r] - start.get(r, 0.0) for r in sorted(end) if end[r] - start.get(r, 0.0) > 0}
+
+
 def hidden_share(phases: dict[str, float]) -> dict[str, float]:
     """Under StaleSync the generate phase runs beside the trainer's work, and `generate_over_floor` then reads a
     phase stretched by the cores it shares: `generate_hidden_share` is the part of it the trainer did not wait for
@@ -139,6 +172,17 @@ def hidden_share(phases: dict[str, float]) -> dict[str, float]:
     if "wait_for_rollouts" not in phases or not phases.get("generate"):
         return {}
     return {"generate_hidden_share": round(max(0.0, 1 - phases["wait_for_rollouts"] / phases["generate"]), 3)}
+
+
+def cpu_shares(cpu: dict[str, float], steps: int, seconds: float) -> dict:
+    """Where the cores went in the measured steps: CPU seconds a step by role, their sum, and that sum over the
+    step's seconds times the cores this process may use (`cores_busy`: 1.0 is every core busy all the step)."""
+    if not cpu or not steps or not seconds:
+        return {}
+    total = sum(cpu.values())
+    return {"cpu_seconds_per_step": {r: round(v / steps, 2) for r, v in cpu.items()},
+            "cpu_seconds_per_step_total": round(total / steps, 2),
+            "cores_busy": round(total / (seconds * len(os.sched_getaffinity(0))), 3)}
 
 
 def measured(steps: list[dict]) -> tuple[float, int, dict[str, float]]:
@@ -180,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     rates = machine_rates(getattr(torch, (cfg.trainer.compute_dtype or cfg.model.dtype).value))
     keep_previous(cfg.output_dir)  # a fresh run: no earlier steps or checkpoints in its way
     gib = 1 << 30
-    with MemorySampler(timeline=args.memory_timeline) as mem:
+    steps_file = Path(cfg.output_dir) / "steps.jsonl"
+    with MemorySampler(timeline=args.memory_timeline, steps_file=steps_file, warmup=args.warmup, total=total) as mem:
         t0 = time.time()
         result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.time() - t0
-    lines = (Path(cfg.output_dir) / "steps.jsonl").read_text().splitlines()
+    lines = steps_file.read_text().splitlines()
     steps = [json.loads(line) for line in lines][args.warmup:]  # this run's steps
     seconds, tokens, phases = measured(steps)
     trained = sum(s["throughput/step_tokens_per_s"] * s["time/step"] for s in steps) / len(steps)
@@ -201,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
            "peak_tree_rss_gib": round(mem.peak_tree / gib, 2),
            "peak_memory_gib_per_role": {r: round(b / gib, 2) for r, b in sorted(mem.peak_roles.items())},
            "roles_at_peak_gib": {r: round(b / gib, 2) for r, b in sorted(mem.roles_at_peak.items())},
-           "wall_seconds": round(wall, 1)}
+           **cpu_shares(mem.cpu_seconds(), len(steps), seconds), "wall_seconds": round(wall, 1)}
     print(json.dumps(out))
     return 0
 
