@@ -74,7 +74,7 @@ class MemorySampler:
 
     ROLES = {"TrainerWorker": "trainer", "PolicyWorker": "reference", "VLLMEngine": "rollout", "VLLM": "rollout",
              "RewardWorker": "reward", "RuleRewardWorker": "reward", "DistQueue": "queue", "raylet": "ray",
-             "gcs_server": "ray", "dashboard": "ray", "log_monitor": "ray", "e2e_bench": "driver"}
+             "gcs_server": "ray", "dashboard": "ray", "DashboardAgent": "ray", "log_monitor": "ray", "e2e_bench": "driver"}
 
     def __init__(self, period: float = 0.5, timeline: Path | None = None, steps_file: Path | None = None,
                  warmup: int = 0, total: int = 0):
@@ -141,7 +141,6 @@ class MemorySampler:
                                   "cpu_lists_gib": round(lists / gib, 3),
                                   **{r: round(b / gib, 3) for r, b in sorted(roles.items())}}) + "\n")
             out.flush()
-
 
     def _mark(self) -> None:
         """Each role's CPU seconds so far, once the steps file first holds as many lines as the next mark."""

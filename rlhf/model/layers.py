@@ -298,11 +298,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               enable_gqa: bool = False) -> torch.Tensor:
     """`F.scaled_dot_product_attention` (bool `mask`: True attends). A bf16 forward on cpu that records for a
     backward over sequences up to SHORT_SEQUENCE tokens takes `_ShortAttention` (FlashAttention-2's numerics,
-    about 2x SDPA's math path and 3x its flash kernel there, forward and backward); elsewhere SDPA's default."""
+    about 2x SDPA's math path and 3x its flash kernel there, forward and backward); elsewhere SDPA's default,
+    which also refuses heads that do not group (`enable_gqa` off with fewer KV heads, or heads not a multiple)."""
     dtype = autocast_dtype(q.device.type) or q.dtype  # SDPA computes in autocast's dtype
     if (q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[-2] <= SHORT_SEQUENCE
             and torch.is_grad_enabled() and q.requires_grad
-            and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[1] == 1):
+            and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and (q.shape[1] == k.shape[1] or enable_gqa and q.shape[1] % k.shape[1] == 0)):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _ShortAttention.apply(*(x.to(dtype) for x in (q, k, v)), mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

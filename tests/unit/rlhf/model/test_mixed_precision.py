@@ -319,3 +319,17 @@ def test_the_weight_transposed_once_per_step():
         with torch.no_grad():
             p.mul_(2)
         assert transposed_once(p, torch.bfloat16) is not t  # the parameter changed: cast again
+
+
+@pytest.mark.parametrize("heads, kv_heads, gqa", [(3, 2, True), (4, 2, False)])
+def test_short_bf16_attention_refuses_heads_that_do_not_group_as_sdpa_does(heads, kv_heads, gqa):
+    """Query heads that are not a multiple of the KV heads, or fewer KV heads without `enable_gqa`: SDPA's own
+    error, not a silent grouping."""
+    from rlhf.model.layers import attention
+
+    T = 8
+    q = torch.randn(1, heads, T, 16).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, kv_heads, T, 16).bfloat16() for _ in range(2))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    with torch.autocast(**BF16), pytest.raises(RuntimeError):
+        attention(q, k, v, mask, enable_gqa=gqa)
