@@ -6,7 +6,8 @@
   (with the per-request seed draws its sampler makes) against `actors.vllm.sampler` (inverse transform);
 - attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
   SDPA's flash kernel and its math path, and in bf16 `rlhf.model.layers._ShortAttention` (`short`: what
-  `rlhf.model.layers.attention` takes for a bf16 training forward up to SHORT_SEQUENCE tokens);
+  `rlhf.model.layers.attention` takes for a bf16 training forward up to SHORT_SEQUENCE tokens), and the scores'
+  batched product of 7 x 136 tokens alone in bf16 and in fp32 (`scores_bmm_*`);
 - one MoE layer's expert matmuls in bf16 (16 experts of [512, 512], 4,096 rows routed uniformly): the per-expert
   loop the trainer runs against one padded `bmm`, in GFLOP/s of useful work;
 - the trainer's bf16 expert loop, forward and backward, with each expert's rows padded to a multiple of
@@ -99,6 +100,12 @@ def attention(repeats: int) -> dict:
                 def step():
                     fn(q, k, v).float().sum().backward()
                 out[f"{str(dtype).split('.')[-1]}_{B}x{T}_{name}_ms"] = _ms(step, repeats)
+    # the product behind the choice: 7 x 136 tokens' scores, query heads grouped by KV head, in bf16 and fp32
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(28, 272, 64, generator=g), torch.randn(28, 64, 136, generator=g)
+    for dtype in (torch.bfloat16, torch.float32):
+        a_, b_ = a.to(dtype), b.to(dtype)
+        out[f"scores_bmm_{str(dtype).split('.')[-1]}_ms"] = _ms(lambda: torch.bmm(a_, b_), repeats)
     return out
 
 

@@ -260,10 +260,10 @@ class _ShortAttention(torch.autograd.Function):
     probabilities' gradient dO V^T in fp32 from the bf16 operands, softmax and its backward in fp32, the
     probabilities and the scores' gradient rounded to bf16 for the products with V, dO, K and Q (bf16 multiplies,
     fp32 sums). Query heads grouped by their KV head (SDPA's `enable_gqa` order), so K and V are never repeated.
-    SDPA's math path computes all of it in fp32 (about twice the time: bf16 products run 4x fp32's here) and its
-    flash kernel's backward is slower still on short sequences (`python -m benchmarks.cpu_kernels --only
-    attention`). Inputs [B, N, T, D], [B, K, T, D], [B, K, T, Dv]; `mask` bool, broadcastable to [B, 1, T, T]
-    (True: attend), with every query row attending somewhere."""
+    SDPA's math path computes all of it in fp32, about twice the time, and its flash kernel's backward is slower
+    still on short sequences (`python -m benchmarks.cpu_kernels --only attention`; its `scores_bmm_*` fields: bf16
+    products 4x as fast as fp32's here). Inputs [B, N, T, D], [B, K, T, D], [B, K, T, Dv]; `mask` bool,
+    broadcastable to [B, 1, T, T] (True: attend), with every query row attending somewhere."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):

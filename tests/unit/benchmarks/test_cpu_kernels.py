@@ -61,3 +61,12 @@ def test_decode_moe_tiled_agrees_with_vllms_kernel_or_says_what_is_missing(capsy
     assert out["decode_moe_max_abs_diff"] <= out["decode_moe_output_abs_max"] * 2 ** -7
     assert out["decode_moe_vllm_vec_ms"] > 0 and out["decode_moe_tiled_ms"] > 0
     assert out["prefill_moe_vllm_vec_ms"] > 0 and out["prefill_moe_tiled_ms"] > 0
+
+
+def test_attention_part_times_each_kernel_and_the_scores_product(capsys):
+    main(["--only", "attention", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for shape in ("7x136", "2x512"):
+        assert all(out[f"bfloat16_{shape}_{k}_ms"] > 0 for k in ("flash", "math", "short"))
+        assert f"float32_{shape}_short_ms" not in out  # the short path is bf16 only
+    assert out["scores_bmm_bfloat16_ms"] > 0 and out["scores_bmm_float32_ms"] > 0
