@@ -72,7 +72,7 @@ class Roles:
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm.engine import VLLMEngine
-        from rlhf.host_memory import huge_page_env
+        from rlhf.host_allocator import allocator_env, huge_page_env
         from rlhf.parallel.comm import backend_for
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
@@ -93,15 +93,16 @@ class Roles:
 
         # on cpu a trainer's heap comes back at every update, a sleeping engine's weights and KV cache at every wake
         env = huge_page_env() if dt is DeviceType.cpu else None
+        trainer_env = allocator_env(cfg.trainer.cpu_allocator.value) if dt is DeviceType.cpu else None
 
         def start_policy(stale_pids: Sequence[int] = ()) -> tuple[list[RoleHandle], list[RoleHandle]]:
             """Trainer and reference ranks on their slots; `stale_pids`: the processes they replace."""
             probe_s = cfg.trainer.liveness_probe_s
             trainer = [spawn(TrainerWorker, "trainer", r, cfg.model, cfg.trainer, cfg.algorithm, dt, r, model_dir,
-                             stale_pids=tuple(stale_pids), probe_s=probe_s, env=env, **slot("trainer", r))
+                             stale_pids=tuple(stale_pids), probe_s=probe_s, env=trainer_env, **slot("trainer", r))
                        for r in range(W)]
             reference = [spawn(PolicyWorker, "reference", r, cfg.model, ref_trainer, dt, r, model_dir,
-                               probe_s=probe_s, env=env, **slot("reference", r)) for r in range(W)] \
+                               probe_s=probe_s, env=trainer_env, **slot("reference", r)) for r in range(W)] \
                 if "reference" in dm.role_names else []
             return trainer, reference
 
@@ -148,7 +149,8 @@ class Roles:
         roles.sync_timeout_s = cfg.trainer.collective_timeout_s
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
             + (f"{len(environments)} environment worker(s)" if environments else f"{len(rewards)} reward worker(s)")
-            + " starting")
+            + " starting" + (f"; trainer processes on {'jemalloc' if 'LD_PRELOAD' in trainer_env else 'glibc'}'s "
+                             f"malloc (trainer.cpu_allocator={cfg.trainer.cpu_allocator.value})" if trainer_env else ""))
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)

@@ -91,7 +91,10 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
             sort_by="self_cpu_memory_usage" if profile_memory else "self_cpu_time_total",
             row_limit=rows or (25 if profile_memory or by_shape else 15))
         shapes = matmul_shapes(prof)
+    from rlhf.host_memory import process_allocator
+
     return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
+            "allocator": process_allocator(),
             "tensor_peak_gb": categories, "matmul_shapes": shapes}
 
 
@@ -121,7 +124,7 @@ def _tensor_peak_gb(prof) -> dict:
 
 
 def _memory_gib() -> dict:
-    """This process's resident memory now and its peak so far (VmRSS, VmHWM), and what glibc's heaps hold free
+    """This process's resident memory now and its peak so far (VmRSS, VmHWM), and what the allocator holds free
     for later allocations (`heap_free`: freed, not handed back), GiB."""
     from rlhf.host_memory import heap_free_bytes
 
@@ -161,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", action="store_true",
                         help="offload and onload the trainer between steps, as a co-located run does (on cpu its "
                              "freed heap goes back to the system: the next step faults its pages in again)")
+    parser.add_argument("--allocator", choices=("auto", "jemalloc", "glibc"), default="auto",
+                        help="the ranks' malloc, as a run's trainer.cpu_allocator chooses it (rlhf.host_memory."
+                             "allocator_env): jemalloc keeping freed pages, or glibc's with transparent huge pages")
     parser.add_argument("--no-huge-pages", action="store_true",
-                        help="the ranks' malloc without transparent huge pages (a run's trainer asks for them on cpu: "
-                             "rlhf.host_memory.huge_page_env)")
+                        help="with --allocator glibc: glibc's malloc without transparent huge pages")
     args = parser.parse_args(argv)
     if args.expert_rows_multiple is not None and args.expert_rows_multiple < 1:
         parser.error(f"--expert-rows-multiple {args.expert_rows_multiple}: give 1 (no padding) or more, e.g. 64")
@@ -177,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: give at least 1")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: give 1 or more")
+    if args.no_huge_pages and args.allocator != "glibc":
+        parser.error("--no-huge-pages is glibc's setting: give --allocator glibc with it")
     if args.micro_batch_tokens < 1:
         parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: give a positive token count, e.g. 1024")
 
     from rlhf.config import load_model_config
-    from rlhf.host_memory import huge_page_env
+    from rlhf.host_allocator import allocator_env
     from rlhf.model.hf_io import save_pretrained
     from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
     from rlhf.parallel.launch import run_ranks
@@ -192,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         model = Qwen3MoeForCausalLM(cfg)
         model.init_weights(0, std=0.02)
         save_pretrained(model, model_dir)
-    if not args.no_huge_pages:
-        os.environ.update(huge_page_env())  # as a run's trainer processes start (the ranks inherit it)
+    if not args.no_huge_pages:  # as a run's trainer processes start (the ranks inherit it)
+        try:
+            os.environ.update(allocator_env(args.allocator))
+        except FileNotFoundError as e:
+            parser.error(f"--allocator jemalloc: {e}")
     results = run_ranks(worker, args.ranks, args.model, str(model_dir), args.ranks, args.samples_per_rank,
                         args.new_tokens, args.compute_dtype, not args.no_profile, args.micro_batch_tokens,
                         args.profile_memory, args.memory_categories, args.expert_rows_multiple, args.threads,
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                       "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype or cfg.dtype.value,
                       "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": results[0]["micro_batches"],
                       "expert_rows_multiple": args.expert_rows_multiple, "threads": args.threads,
+                      "allocator": results[0]["allocator"],
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
                       "matmul_shapes": results[0]["matmul_shapes"],
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}

@@ -15,9 +15,11 @@ resident memory stays at its peak through the phases where another co-located ro
 - `release_pages`: the same for memory torch allocated: an engine asleep on cpu (`VLLMEngine.sleep`) hands
   back its KV cache, and at level 2 its weights once the sync that overwrites them starts to arrive; the
   direct install hands back each layer's staged buffers as soon as it has copied them.
-- `trim_heap`: glibc's own free pages (the trainer's freed activations), handed back at its offload.
+- `trim_heap`: the allocator's own free pages (the trainer's freed activations), handed back at its offload.
 
-And one that keeps memory from being held at all: `small_onednn_cache`, for the trainer's bf16 matmuls.
+Which allocator a process runs on is chosen before it starts (`rlhf.host_allocator`); `process_allocator` says which
+one it got. And one setting that keeps memory from being held at all: `small_onednn_cache`, for the trainer's bf16
+matmuls.
 """
 
 from __future__ import annotations
@@ -102,8 +104,13 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def heap_free_bytes() -> int | None:
-    """Bytes glibc's heaps hold free for later allocations (`mallinfo2().fordblks`, every arena); None where the
-    C library has no mallinfo2 (not glibc, or older than 2.33)."""
+    """Bytes the process's allocator holds free for later allocations: under jemalloc (`rlhf.host_allocator`) its dirty
+    and muzzy pages over every arena, under glibc its heaps' free bytes (`mallinfo2().fordblks`, every arena); None
+    where neither can say (another C library, or a glibc older than 2.33)."""
+    if _mallctl is not None:
+        _jemalloc_write("epoch", ctypes.c_uint64(1))  # refresh jemalloc's statistics
+        pages = sum(_jemalloc_read(f"stats.arenas.{_ARENAS_ALL}.{kind}", ctypes.c_size_t) for kind in ("pdirty", "pmuzzy"))
+        return pages * _jemalloc_read("arenas.page", ctypes.c_size_t)
     info = getattr(_libc, "mallinfo2", None)
     if info is None:
         return None
@@ -112,32 +119,46 @@ def heap_free_bytes() -> int | None:
 
 
 def trim_heap(at_least: int = 64 << 20) -> bool:
-    """glibc's `malloc_trim(0)` when its heaps hold at least `at_least` bytes free: those pages go back to the
-    system (the next allocations fault them in again, so a small heap is left alone). Whether it trimmed."""
-    trim, free = getattr(_libc, "malloc_trim", None), heap_free_bytes()
-    if trim is None or free is None or free < at_least:
+    """Hand the allocator's free pages back to the system when it holds at least `at_least` bytes of them (the
+    next allocations fault them in again, so a small heap is left alone): jemalloc purges every arena, glibc
+    runs `malloc_trim(0)`. Whether it trimmed."""
+    free = heap_free_bytes()
+    if free is None or free < at_least:
         return False
-    return bool(trim(0))
+    if _mallctl is not None:
+        _jemalloc_write(f"arena.{_ARENAS_ALL}.purge", None)
+        return True
+    trim = getattr(_libc, "malloc_trim", None)
+    return trim is not None and bool(trim(0))
 
 
-HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
+# jemalloc, where a process starts with it (`rlhf.host_allocator`): its control interface, found in the process's own
+# symbols (glibc has none)
+_mallctl = getattr(_libc, "mallctl", None)
+if _mallctl is not None:
+    _mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                         ctypes.c_size_t]
+_ARENAS_ALL = 4096  # MALLCTL_ARENAS_ALL: the statistics and purge of every arena
 
 
-def huge_page_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a trainer or engine process on cpu starts with: glibc's malloc asks for transparent huge pages
-    on the memory it maps (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35 and later; older ones ignore it). A
-    co-located trainer hands its freed heap back at each offload (`trim_heap`) and faults it in again at the next
-    update: 2 MiB at a time instead of 4 KiB, the update's page faults halve and the update on cpu takes 0.6-0.8 s
-    less of 6-7 s. A sleeping engine hands back its weights and KV cache and refaults them at each sync and wake,
-    the sync's staging buffers while the trainer updates: with huge pages the small run's step was 1.04-1.15x
-    faster (docs/throughput.md). Read once, when the process starts, so it is given to the process
-    (a Ray actor's `runtime_env`), never set inside it. Tunables already in `environ` (this process's environment by
-    default) are kept, and one that sets `glibc.malloc.hugetlb` itself wins."""
-    environ = os.environ if environ is None else environ
-    given = environ.get("GLIBC_TUNABLES", "")
-    if any(part.split("=", 1)[0] == HUGE_PAGE_TUNABLE for part in given.split(":") if part):
-        return {"GLIBC_TUNABLES": given}
-    return {"GLIBC_TUNABLES": ":".join(p for p in (given, f"{HUGE_PAGE_TUNABLE}=1") if p)}
+def _jemalloc_read(name: str, ctype):
+    value, size = ctype(), ctypes.c_size_t(ctypes.sizeof(ctype))
+    if _mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0):
+        raise OSError(f"jemalloc's mallctl({name!r}) failed")
+    return value.value
+
+
+def _jemalloc_write(name: str, value) -> None:
+    new, size = (None, 0) if value is None else (ctypes.byref(value), ctypes.sizeof(value))
+    if _mallctl(name.encode(), None, None, new, size):
+        raise OSError(f"jemalloc's mallctl({name!r}) failed")
+
+
+def process_allocator() -> str:
+    """The allocator serving this process's malloc: "jemalloc <version>" or "glibc"."""
+    if _mallctl is None:
+        return "glibc"
+    return "jemalloc " + _jemalloc_read("version", ctypes.c_char_p).decode().split("-")[0]
 
 
 ONEDNN_CACHE_CAPACITY = 256  # oneDNN primitives a trainer process keeps (oneDNN's own default: 1,024)

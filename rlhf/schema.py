@@ -287,6 +287,12 @@ class DistBackend(Enum):
     hccl = "hccl"
 
 
+class CpuAllocator(Enum):
+    auto = "auto"  # jemalloc where a library is found (Ray's wheel carries one), else glibc
+    jemalloc = "jemalloc"  # preloaded, keeping freed pages for the next allocations (rlhf.host_allocator.allocator_env)
+    glibc = "glibc"  # glibc's malloc with transparent huge pages
+
+
 @dataclass(frozen=True)
 class ExpertBalanceConfig:
     """Expert-parallel load balancing (EDPB, docs/expert_balance.md): every `every_steps` optimizer steps the
@@ -348,6 +354,9 @@ class TrainerConfig:
     # Mixed precision: the matmuls of forward and backward in this dtype (torch.autocast); parameters, gradients,
     # AdamW state stay in model.dtype; norms, softmaxes, routers' choice and loss in fp32 (docs/trainer.md).
     compute_dtype: Optional[DType] = None
+    # On cpu, the malloc of the trainer's and reference's processes: jemalloc keeps the pages an update frees for
+    # its next micro-batch, where glibc maps and faults its large blocks afresh (docs/throughput.md).
+    cpu_allocator: CpuAllocator = CpuAllocator.auto
     expert_balance: ExpertBalanceConfig = field(default_factory=ExpertBalanceConfig)
 
 

@@ -15,8 +15,8 @@ from rlhf.errors import ConfigError, Problem, divisors, raise_problems
 from rlhf.sharding.layout import fit_problems, trainer_layout
 from rlhf.placement import cluster_problems, placement_problems
 from rlhf.config.chaos import engine_kills, environment_kills, trainer_kills
-from rlhf.schema import (AlgorithmConfig, Attention, DType, Estimator, LossAggregation, ModelConfig, RewardConfig,
-                         RewardKind, RouterScoring, RoutingReplay, RunConfig)
+from rlhf.schema import (AlgorithmConfig, Attention, CpuAllocator, DeviceType, DType, Estimator, LossAggregation,
+                         ModelConfig, RewardConfig, RewardKind, RouterScoring, RoutingReplay, RunConfig)
 
 __all__ = ["ConfigError", "Problem", "dapo_problems", "model_problems", "run_problems", "stale_sync_problems",
            "validate_model", "validate_run"]
@@ -192,6 +192,12 @@ def run_problems(cfg: RunConfig) -> list[Problem]:
                          f"correction bias; model {cfg.model.name} has a {cfg.model.router_scoring.value} router "
                          "with none: set it to 0"))
     p += compute_dtype_problems(cfg)
+    if t.cpu_allocator is CpuAllocator.jemalloc and cfg.placement.device_type is DeviceType.cpu:
+        from rlhf.host_allocator import jemalloc_library
+
+        if jemalloc_library() is None:
+            p.append(Problem("trainer.cpu_allocator", "jemalloc", "needs a jemalloc library and none is here (Ray's "
+                             "wheel carries ray/core/libjemalloc.so on Linux; or install libjemalloc2): use auto or glibc"))
     if t.hierarchical_ep and layout is not None and layout.expert_shards < 2:
         p.append(Problem("trainer.hierarchical_ep", t.hierarchical_ep, "splits the expert all-to-all into an "
                          f"inter-node and an intra-node hop; trainer ep={t.ep} has none: set trainer.ep > 1 or "

@@ -79,7 +79,7 @@ def killed_families():
 ROLES = ("ray::TrainerWorker", "ray::PolicyWorker", "ray::VLLMEngine", "ray::RuleRewardWorker")
 LISTENING: dict[int, set] = {}  # the short run's role processes: pid -> {(address, port)} seen listening
 TITLES: dict[int, str] = {}  # pid -> its process title (ray::<role class>...)
-TUNABLES: dict[int, str | None] = {}  # pid -> GLIBC_TUNABLES its process started with
+MALLOC: dict[int, tuple[str | None, bool]] = {}  # pid -> (GLIBC_TUNABLES it started with, jemalloc mapped in it)
 
 
 def _sample_listeners(stop) -> None:
@@ -93,7 +93,9 @@ def _sample_listeners(stop) -> None:
                 continue
             try:
                 conns = p.net_connections(kind="tcp")
-                TUNABLES.setdefault(p.info["pid"], p.environ().get("GLIBC_TUNABLES"))
+                if p.info["pid"] not in MALLOC:  # preloaded at exec: mapped from the process's start
+                    MALLOC[p.info["pid"]] = (p.environ().get("GLIBC_TUNABLES"),
+                                             any("libjemalloc" in m.path for m in p.memory_maps()))
             except (psutil.Error, OSError):
                 continue
             TITLES[p.info["pid"]] = title
@@ -134,17 +136,25 @@ def test_a_local_run_listens_on_loopback_but_for_rays_own_server(short_run):
     assert all(len(a) <= 1 and all(ip in ("0.0.0.0", "::") for ip, _ in a) for a in wider.values()), wider
 
 
-def test_trainer_and_engine_processes_start_with_huge_pages_and_rewards_without(short_run):
-    """rlhf.host_memory.huge_page_env: a trainer (and reference) rank on cpu refaults its heap every update, a
-    sleeping engine its weights and KV cache at every sync and wake; the reward workers are left as they are."""
-    from rlhf.host_memory import huge_page_env
+def test_trainer_processes_run_on_jemalloc_engines_on_huge_pages_and_rewards_as_they_are(short_run):
+    """rlhf.host_memory.allocator_env: a trainer (and reference) rank on cpu runs on jemalloc (trainer.cpu_allocator
+    auto, where a library is found: Ray's wheel carries one), keeping the pages an update frees, and hands them
+    back at its offload (this run's engines sleep); a sleeping engine's glibc malloc takes huge pages for the
+    weights and KV cache it refaults at every sync and wake; the reward workers are left as they are."""
+    from rlhf.host_allocator import huge_page_env, jemalloc_library
 
-    seen = [(TITLES[pid], tunables) for pid, tunables in TUNABLES.items() if pid in TITLES]
-    huge = [t for title, t in seen if title.startswith(("ray::TrainerWorker", "ray::PolicyWorker", "ray::VLLMEngine"))]
-    assert any(title.startswith("ray::VLLMEngine") for title, _ in seen), seen
-    assert huge and all(t == huge_page_env()["GLIBC_TUNABLES"] for t in huge), seen
-    rewards = [t for title, t in seen if title.startswith("ray::RuleRewardWorker")]
-    assert rewards and all(t == os.environ.get("GLIBC_TUNABLES") for t in rewards), seen
+    seen = [(TITLES[pid].split()[0], *MALLOC[pid]) for pid in MALLOC if pid in TITLES]
+    policy = [s for s in seen if s[0].startswith(("ray::TrainerWorker", "ray::PolicyWorker"))]
+    engines = [s for s in seen if s[0].startswith("ray::VLLMEngine")]
+    rewards = [s for s in seen if s[0].startswith("ray::RuleRewardWorker")]
+    assert policy and engines and rewards, seen
+    huge = huge_page_env()["GLIBC_TUNABLES"]
+    if jemalloc_library() is not None:
+        assert all(jemalloc for _, _, jemalloc in policy), seen
+    else:
+        assert all(t == huge and not jemalloc for _, t, jemalloc in policy), seen
+    assert all(t == huge and not jemalloc for _, t, jemalloc in engines), seen
+    assert all(t == os.environ.get("GLIBC_TUNABLES") and not jemalloc for _, t, jemalloc in rewards), seen
 
 
 def test_reward_rises_and_every_sync_is_exact(short_run):

@@ -129,7 +129,7 @@ def _thp_advised() -> bool:
 
 
 def test_huge_page_env_adds_the_tunable_and_keeps_the_users():
-    from rlhf.host_memory import huge_page_env
+    from rlhf.host_allocator import huge_page_env
 
     assert huge_page_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     assert huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
@@ -159,7 +159,7 @@ def test_a_process_started_with_huge_page_env_maps_its_heap_with_huge_pages():
     import subprocess
     import sys
 
-    from rlhf.host_memory import huge_page_env
+    from rlhf.host_allocator import huge_page_env
 
     if tuple(int(x) for x in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2]) < (2, 35):
         pytest.skip("glibc.malloc.hugetlb needs glibc 2.35 or later")
@@ -175,3 +175,67 @@ def test_a_process_started_with_huge_page_env_maps_its_heap_with_huge_pages():
 
     assert advised(huge_page_env({}))
     assert not advised({})
+
+
+def test_allocator_env_preloads_jemalloc_or_falls_back_to_glibc_huge_pages(monkeypatch):
+    import rlhf.host_allocator as hm
+
+    monkeypatch.setattr(hm, "jemalloc_library", lambda: "/lib/libjemalloc.so")
+    assert hm.allocator_env("auto", {}) == {"LD_PRELOAD": "/lib/libjemalloc.so", "MALLOC_CONF": hm.JEMALLOC_CONF}
+    # a user's own MALLOC_CONF wins; libraries already preloaded stay, after it, once
+    assert hm.allocator_env("jemalloc", {"MALLOC_CONF": "narenas:1", "LD_PRELOAD": "/lib/a.so:/lib/libjemalloc.so"}) \
+        == {"LD_PRELOAD": "/lib/libjemalloc.so /lib/a.so", "MALLOC_CONF": "narenas:1"}
+    assert hm.allocator_env("glibc", {}) == hm.huge_page_env({})
+    monkeypatch.setattr(hm, "jemalloc_library", lambda: None)
+    assert hm.allocator_env("auto", {}) == hm.huge_page_env({})
+    with pytest.raises(FileNotFoundError, match="libjemalloc"):
+        hm.allocator_env("jemalloc", {})
+    with pytest.raises(ValueError, match="auto, jemalloc or glibc"):
+        hm.allocator_env("tcmalloc", {})
+
+
+def test_a_process_started_on_jemalloc_keeps_freed_pages_until_trimmed():
+    """What a trainer process on cpu starts with (`allocator_env("jemalloc")`): freed blocks, large ones included,
+    stay resident for the next allocations (no page faults for them), `heap_free_bytes` counts them and
+    `trim_heap` hands them back (a co-located trainer's offload)."""
+    import json
+    import subprocess
+    import sys
+
+    from rlhf.host_allocator import allocator_env, jemalloc_library
+
+    if jemalloc_library() is None:
+        pytest.skip("no jemalloc library here (Ray's wheel carries ray/core/libjemalloc.so on Linux)")
+    probe = """
+import json, sys; sys.path.insert(0, %r)
+import torch
+from rlhf.host_memory import heap_free_bytes, process_allocator, trim_heap
+def rss(): return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) << 10
+out = {"allocator": process_allocator()}
+small = [torch.ones(1 << 14) for _ in range(4000)]  # 4,000 x 64 KiB
+big = torch.ones(200 << 20, dtype=torch.uint8)  # one 200 MiB block
+del small[::2], big
+out["free"], out["rss"] = heap_free_bytes(), rss()
+again = torch.ones(200 << 20, dtype=torch.uint8)  # the same pages again: resident memory does not grow
+out["rss_again"] = rss()
+del again
+out["below"] = trim_heap(at_least=1 << 40)
+out["trimmed"], out["rss_trimmed"], out["free_trimmed"] = trim_heap(at_least=1 << 20), rss(), heap_free_bytes()
+print(json.dumps(out))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_CONF", "LD_PRELOAD")} | allocator_env("jemalloc", {})
+    run = subprocess.run([sys.executable, "-c", probe % root], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["allocator"].startswith("jemalloc ")
+    assert out["free"] >= (200 << 20) + 100 * (64 << 10)  # the big block and the freed small ones, kept
+    assert out["rss_again"] - out["rss"] < 16 << 20
+    assert not out["below"] and out["trimmed"]
+    assert out["rss"] - out["rss_trimmed"] > 200 << 20 and out["free_trimmed"] < 16 << 20
+
+
+def test_this_process_runs_on_glibc():
+    from rlhf.host_memory import process_allocator
+
+    assert process_allocator() == "glibc"

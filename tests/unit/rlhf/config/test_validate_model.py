@@ -77,6 +77,21 @@ def test_compute_dtype_narrows_only_and_never_to_fp16():
         load_run_config(tiny, ["trainer.compute_dtype=float32", "model.dtype=bfloat16"])
 
 
+def test_a_jemalloc_trainer_without_a_library_is_refused_before_anything_starts(monkeypatch):
+    import rlhf.host_allocator as hm
+
+    tiny = PANGU.parent / "tiny_cpu.yaml"
+    assert load_run_config(tiny).trainer.cpu_allocator.value == "auto"
+    monkeypatch.setattr(hm, "jemalloc_library", lambda: None)
+    assert load_run_config(tiny, ["trainer.cpu_allocator=glibc"]).trainer.cpu_allocator.value == "glibc"
+    load_run_config(tiny, ["trainer.cpu_allocator=auto"])  # falls back to glibc
+    with pytest.raises(ConfigError,
+                       match="trainer.cpu_allocator = 'jemalloc': needs a jemalloc library .* use auto or glibc"):
+        load_run_config(tiny, ["trainer.cpu_allocator=jemalloc"])
+    with pytest.raises(ConfigError, match="cpu_allocator"):
+        load_run_config(tiny, ["trainer.cpu_allocator=tcmalloc"])
+
+
 def test_a_cpu_kv_cache_too_small_for_one_sequence_is_refused_with_the_size_it_needs():
     small = PANGU.parent / "small_cpu.yaml"  # 8 layers x 4 KV heads x 64 x 2 x 4 bytes = 16 KiB a token, 4,096 tokens
     fp32 = "rollout.dtype=float32"
