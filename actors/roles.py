@@ -72,7 +72,7 @@ class Roles:
         from actors.reward import RewardModelWorker, RuleRewardWorker
         from actors.trainer_worker import PolicyWorker, TrainerWorker
         from actors.vllm.engine import VLLMEngine
-        from rlhf.host_allocator import allocator_env, huge_page_env
+        from rlhf.host_allocator import allocator_env, allocator_name, huge_page_env
         from rlhf.parallel.comm import backend_for
         from rlhf.placement import actor_options, engine_cpu_cores, placement_bundles
 
@@ -149,8 +149,8 @@ class Roles:
         roles.sync_timeout_s = cfg.trainer.collective_timeout_s
         log(f"roles: {W} trainer rank(s), {len(reference)} reference rank(s), {len(engines)} engine(s), "
             + (f"{len(environments)} environment worker(s)" if environments else f"{len(rewards)} reward worker(s)")
-            + " starting" + (f"; trainer processes on {'jemalloc' if 'LD_PRELOAD' in trainer_env else 'glibc'}'s "
-                             f"malloc (trainer.cpu_allocator={cfg.trainer.cpu_allocator.value})" if trainer_env else ""))
+            + " starting" + (f"; trainer processes on {allocator_name(trainer_env)}'s malloc "
+                             f"(trainer.cpu_allocator={cfg.trainer.cpu_allocator.value})" if trainer_env else ""))
         roles.init_policy()
         roles.engine_shm = call_all([(e, "shm_prefixes", (), {}) for e in engines], START_TIMEOUT_S)  # engines up
         roles.engine_pids = call_all([(e, "pid", (), {}) for e in engines], START_TIMEOUT_S)

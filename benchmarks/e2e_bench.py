@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf.config import load_run_config
     from rlhf.driver import train
+    from rlhf.host_allocator import allocator_env, allocator_name
 
     total = args.warmup + args.steps
     cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
@@ -245,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
            "peak_tree_rss_gib": round(mem.peak_tree / gib, 2),
            "peak_memory_gib_per_role": {r: round(b / gib, 2) for r, b in sorted(mem.peak_roles.items())},
            "roles_at_peak_gib": {r: round(b / gib, 2) for r, b in sorted(mem.roles_at_peak.items())},
-           **cpu_shares(mem.cpu_seconds(), len(steps), seconds), "wall_seconds": round(wall, 1)}
+           **cpu_shares(mem.cpu_seconds(), len(steps), seconds), "wall_seconds": round(wall, 1),
+           **({"trainer_allocator": allocator_name(allocator_env(cfg.trainer.cpu_allocator.value))}
+              if cfg.placement.device_type.value == "cpu" else {})}
     print(json.dumps(out))
     return 0
 

@@ -67,4 +67,12 @@ def allocator_env(allocator: str = "auto", environ: Mapping[str, str] | None = N
                                     "system (libjemalloc.so.2) has one; install libjemalloc2 or use glibc")
         return huge_page_env(environ)
     preloaded = [p for p in environ.get("LD_PRELOAD", "").replace(":", " ").split() if p != lib]
-    return {"LD_PRELOAD": " ".join([lib, *preloaded]), "MALLOC_CONF": environ.get("MALLOC_CONF", JEMALLOC_CONF)}
+    # glibc's tunables too: on a node whose Ray lies elsewhere the loader skips the library (saying so in the
+    # actor's log) and the process keeps glibc's malloc, with huge pages
+    return {"LD_PRELOAD": " ".join([lib, *preloaded]), "MALLOC_CONF": environ.get("MALLOC_CONF", JEMALLOC_CONF),
+            **huge_page_env(environ)}
+
+
+def allocator_name(env: Mapping[str, str]) -> str:
+    """The malloc an `allocator_env` result starts a process on: "jemalloc" or "glibc"."""
+    return "jemalloc" if "MALLOC_CONF" in env else "glibc"

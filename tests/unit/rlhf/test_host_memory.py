@@ -181,11 +181,16 @@ def test_allocator_env_preloads_jemalloc_or_falls_back_to_glibc_huge_pages(monke
     import rlhf.host_allocator as hm
 
     monkeypatch.setattr(hm, "jemalloc_library", lambda: "/lib/libjemalloc.so")
-    assert hm.allocator_env("auto", {}) == {"LD_PRELOAD": "/lib/libjemalloc.so", "MALLOC_CONF": hm.JEMALLOC_CONF}
+    # glibc's huge pages too, for a node where the loader cannot find the library
+    assert hm.allocator_env("auto", {}) == {"LD_PRELOAD": "/lib/libjemalloc.so", "MALLOC_CONF": hm.JEMALLOC_CONF,
+                                            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     # a user's own MALLOC_CONF wins; libraries already preloaded stay, after it, once
     assert hm.allocator_env("jemalloc", {"MALLOC_CONF": "narenas:1", "LD_PRELOAD": "/lib/a.so:/lib/libjemalloc.so"}) \
-        == {"LD_PRELOAD": "/lib/libjemalloc.so /lib/a.so", "MALLOC_CONF": "narenas:1"}
+        == {"LD_PRELOAD": "/lib/libjemalloc.so /lib/a.so", "MALLOC_CONF": "narenas:1",
+            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert hm.allocator_name(hm.allocator_env("auto", {})) == "jemalloc"
     assert hm.allocator_env("glibc", {}) == hm.huge_page_env({})
+    assert hm.allocator_name(hm.allocator_env("glibc", {})) == "glibc"
     monkeypatch.setattr(hm, "jemalloc_library", lambda: None)
     assert hm.allocator_env("auto", {}) == hm.huge_page_env({})
     with pytest.raises(FileNotFoundError, match="libjemalloc"):
