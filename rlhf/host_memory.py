@@ -106,10 +106,14 @@ class _Mallinfo2(ctypes.Structure):
 def heap_free_bytes() -> int | None:
     """Bytes the process's allocator holds free for later allocations: under jemalloc (`rlhf.host_allocator`) its dirty
     and muzzy pages over every arena, under glibc its heaps' free bytes (`mallinfo2().fordblks`, every arena); None
-    where neither can say (another C library, or a glibc older than 2.33)."""
+    where neither can say (another C library, a glibc older than 2.33, a jemalloc built without statistics)."""
     if _mallctl is not None:
-        _jemalloc_write("epoch", ctypes.c_uint64(1))  # refresh jemalloc's statistics
-        pages = sum(_jemalloc_read(f"stats.arenas.{_ARENAS_ALL}.{kind}", ctypes.c_size_t) for kind in ("pdirty", "pmuzzy"))
+        try:
+            _jemalloc_write("epoch", ctypes.c_uint64(1))  # refresh jemalloc's statistics
+            pages = sum(_jemalloc_read(f"stats.arenas.{_ARENAS_ALL}.{kind}", ctypes.c_size_t)
+                        for kind in ("pdirty", "pmuzzy"))
+        except OSError:  # a jemalloc built without statistics
+            return None
         return pages * _jemalloc_read("arenas.page", ctypes.c_size_t)
     info = getattr(_libc, "mallinfo2", None)
     if info is None:
