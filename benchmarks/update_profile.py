@@ -10,10 +10,11 @@
 
 Each rank holds the samples one DP rank of `configs/small_cpu.yaml` holds (32), runs `--steps` timed update
 steps (2; GRPO loss, one optimizer step each) and one more under `torch.profiler` (unless --no-profile); prints
-rank 0's ops (`--table-rank`) by self CPU time and ends with one JSON line: `step_seconds` of the timed steps, the
-micro-batches, rank 0's distinct matmul shapes in the profiled step (`matmul_shapes`: the primitives oneDNN builds
-in bf16), and each rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init
-and after each timed step).
+rank 0's ops (`--table-rank`) by self CPU time and ends with one JSON line: `step_seconds` of the timed steps,
+each rank's `cpu_seconds` in them (user and system: what a run whose cores are full pays), the micro-batches,
+rank 0's distinct matmul shapes in the profiled step (`matmul_shapes`: the primitives oneDNN builds in bf16), and
+each rank's resident memory (`memory_gib`: now and the peak so far, and glibc's free heap, after init and after
+each timed step).
 The weights are random (our code), written once to `out/bench/<model name>-update`.
 """
 
@@ -68,14 +69,15 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
     def step():
         trainer.train_step(mbs, lambda lp, e, mb: policy_loss(algo, lp, e, mb.extras, normaliser, LossRecord()))
 
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(steps):
         if offload and seconds:  # as a co-located run: the trainer offloaded between its updates
             trainer.offload()
             trainer.onload()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         seconds.append(round(time.perf_counter() - t0, 2))
+        cpu.append(round(time.process_time() - c0, 2))
         memory[f"after_step_{len(seconds)}"] = _memory_gib()
     table, categories, shapes = "", None, None
     if memory_categories:
@@ -93,7 +95,7 @@ def worker(rank: int, model_yaml: str, model_dir: str, ranks: int, samples_per_r
         shapes = matmul_shapes(prof)
     from rlhf.host_memory import process_allocator
 
-    return {"step_seconds": seconds, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
+    return {"step_seconds": seconds, "cpu_seconds": cpu, "micro_batches": len(mbs), "table": table, "memory_gib": memory,
             "allocator": process_allocator(),
             "tensor_peak_gb": categories, "matmul_shapes": shapes}
 
@@ -215,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                       "expert_rows_multiple": args.expert_rows_multiple, "threads": args.threads,
                       "allocator": results[0]["allocator"],
                       "step_seconds": {r: res["step_seconds"] for r, res in enumerate(results)},
+                      "cpu_seconds": {r: res["cpu_seconds"] for r, res in enumerate(results)},
                       "matmul_shapes": results[0]["matmul_shapes"],
                       "memory_gib": {r: res["memory_gib"] for r, res in enumerate(results)}}
                      | ({"tensor_peak_gb": {r: res["tensor_peak_gb"] for r, res in enumerate(results)}}

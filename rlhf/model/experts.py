@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf.model.layers import add_into, grad_into, inverse_permutation, permute_rows
+from rlhf.model.layers import (CompiledKernels, EagerKernels, add_into, grad_into, inverse_permutation,
+                               permute_rows)
 
 
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
@@ -160,6 +161,54 @@ def _grouped_linear(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tenso
     return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offs_E)
 
 
+def swiglu_forward(gu_PJ: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up], in fp32, rounded once to the rows' dtype."""
+    gate, up = gu_PJ.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gu_PJ.dtype)
+
+
+def swiglu_backward(g_PI: torch.Tensor, gu_PJ: torch.Tensor) -> torch.Tensor:
+    """dL/d[gate | up] of `swiglu_forward` in the rows' dtype: g up s (1 + gate (1 - s)) and g silu(gate), with
+    s = sigmoid(gate)."""
+    gu_P2I = gu_PJ.view(gu_PJ.shape[0], 2, -1)  # (stacked into the [P, 2, I] view: compiled, one vectorised loop)
+    gate, up = gu_P2I[:, 0].float(), gu_P2I[:, 1].float()
+    g, s = g_PI.float(), torch.sigmoid(gate)
+    return torch.stack([g * up * s * (1 + gate * (1 - s)), g * gate * s], dim=1).to(gu_PJ.dtype).view(gu_PJ.shape)
+
+
+SWIGLU_KERNELS = CompiledKernels("the experts' SwiGLU kernels", swiglu_forward, swiglu_backward)
+EAGER_SWIGLU_KERNELS = EagerKernels(swiglu_forward, swiglu_backward)
+SWIGLU_COMPILE_MIN_ELEMENTS = 1 << 16  # fewer: the eager kernels (the compile would cost more than it saves)
+
+
+class _LowPrecisionSwiGLU(torch.autograd.Function):
+    """silu(gate) * up of bf16 (fp16) rows in one pass each way (`swiglu_forward`, `swiglu_backward`), compiled on
+    cpu for large inputs, where autograd of the eager ops makes six passes and a concatenation, each rounding to
+    bf16; only the [gate | up] rows are kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, gu_PJ):
+        kernels = SWIGLU_KERNELS if gu_PJ.device.type == "cpu" and gu_PJ.numel() >= SWIGLU_COMPILE_MIN_ELEMENTS \
+            else EAGER_SWIGLU_KERNELS
+        ctx.save_for_backward(gu_PJ)
+        ctx.kernels = kernels
+        return kernels.forward(gu_PJ)
+
+    @staticmethod
+    def backward(ctx, g_PI):
+        (gu_PJ,) = ctx.saved_tensors
+        return ctx.kernels.backward(g_PI.contiguous(), gu_PJ)
+
+
+def swiglu(gu_PJ: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up]: `_LowPrecisionSwiGLU` in bf16 and fp16, the eager ops otherwise (fp32
+    keeps their values bit for bit)."""
+    if gu_PJ.dtype in (torch.bfloat16, torch.float16):
+        return _LowPrecisionSwiGLU.apply(gu_PJ)
+    gate, up = gu_PJ.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def grouped_swiglu(x_RH: torch.Tensor, expert_R: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    multiple: int = 1, params: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Row r through SwiGLU expert `expert_R[r]`: two grouped multiplies over every expert of the stacks, in the
@@ -170,8 +219,7 @@ def grouped_swiglu(x_RH: torch.Tensor, expert_R: torch.Tensor, gate_up: torch.Te
     dtype = gate_up.dtype
     p_gu, p_d = params if params is not None else (None, None)
     x_PH = _ScatterRows.apply(x_RH.to(dtype), layout.dest_R, layout.rows)
-    gate, up = _grouped_linear(x_PH, gate_up, layout.offs_E, p_gu).chunk(2, dim=-1)
-    y_PH = _grouped_linear(F.silu(gate) * up, down, layout.offs_E, p_d)
+    y_PH = _grouped_linear(swiglu(_grouped_linear(x_PH, gate_up, layout.offs_E, p_gu)), down, layout.offs_E, p_d)
     return _GatherRows.apply(y_PH, layout.dest_R)
 
 
@@ -190,7 +238,6 @@ def looped_swiglu(x_RH: torch.Tensor, expert_R: torch.Tensor, gate_up: torch.Ten
     for e, n in enumerate(counts):
         if n:
             r = rows[e] if n % multiple == 0 else F.pad(rows[e], (0, 0, 0, multiple - n % multiple))
-            gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down[e])
+            y = F.linear(swiglu(F.linear(r, gate_up[e])), down[e])
             ys.append(y if y.shape[0] == n else y[:n])  # zero rows in, their outputs dropped: no gradient
     return permute_rows(torch.cat(ys), inverse, order)

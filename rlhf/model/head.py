@@ -16,14 +16,10 @@ Legend: N tokens, H hidden, V vocabulary, C tokens per chunk.
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
-from rlhf.model.layers import ADD_SCRATCH, Scratch, add_into, autocast_dtype, cast_once, grad_into, transposed_once
-
-log = logging.getLogger(__name__)
+from rlhf.model.layers import (ADD_SCRATCH, CompiledKernels, EagerKernels, Scratch, add_into, autocast_dtype, cast_once,
+                               grad_into, transposed_once)
 
 CHUNK_TOKENS = 1024  # tokens per matmul
 # an update keeps its forward's logits (in the matmuls' dtype) for the backward up to this size, instead of
@@ -85,7 +81,7 @@ def rows_backward(z_RV: torch.Tensor, targets_R: torch.Tensor, lse_R: torch.Tens
     z_RV.copy_(dz)
 
 
-class RowKernels:
+class RowKernels(CompiledKernels):
     """`rows_forward` and `rows_backward`, compiled by torch.compile (inductor's C++ on cpu) where that pays: in
     eager torch each is about ten passes over a [64, V] block (a copy to fp32, max, subtract, exp, sums, products),
     compiled a few fused loops per row: forward 8.5-10.6 -> 2.1-2.2 ms, backward 6.1-6.5 -> 3.3-3.4 ms a
@@ -94,38 +90,10 @@ class RowKernels:
     once and the eager functions serve from then on."""
 
     def __init__(self):
-        self.lock, self.compiled = threading.Lock(), None
-
-    def _compiled(self):
-        if self.compiled is None:  # (the lock only until they exist: this runs for every 64-row block)
-            with self.lock:
-                if self.compiled is None:
-                    self.compiled = (torch.compile(rows_forward, dynamic=True),
-                                     torch.compile(rows_backward, dynamic=True))
-        return self.compiled
-
-    def _call(self, i: int, eager, *args):
-        compiled = self._compiled()
-        if compiled:
-            try:
-                return compiled[i](*args)
-            except Exception as e:  # noqa: BLE001 (inductor raises its own kinds; eager computes the same)
-                log.warning("the LM head's row kernels could not be compiled (%s: %s); running them in eager torch",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.compiled = False
-        return eager(*args)
-
-    def forward(self, *args):
-        return self._call(0, rows_forward, *args)
-
-    def backward(self, *args):
-        return self._call(1, rows_backward, *args)
+        super().__init__("the LM head's row kernels", rows_forward, rows_backward)
 
 
-class EagerKernels:
-    forward, backward = staticmethod(rows_forward), staticmethod(rows_backward)
-
-
+EagerRowKernels = EagerKernels(rows_forward, rows_backward)
 COMPILE_MIN_VOCAB = 4096  # below it the blocks are small and the first call's compile would cost more than it saves
 COMPILED = RowKernels()
 
@@ -133,7 +101,7 @@ COMPILED = RowKernels()
 def row_kernels(device: torch.device, vocab: int):
     """The compiled row kernels on cpu for a vocabulary of COMPILE_MIN_VOCAB or more, else the eager ones (other
     devices: eager until measured there)."""
-    return COMPILED if device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB else EagerKernels
+    return COMPILED if device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB else EagerRowKernels
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -207,7 +207,7 @@ def test_a_compile_that_fails_falls_back_to_the_eager_kernels(monkeypatch, caplo
     kernels = head.RowKernels()
     g = torch.Generator().manual_seed(8)
     z, targets = torch.randn(4, 9, generator=g), torch.randint(0, 9, (4,), generator=g)
-    with caplog.at_level("WARNING", logger="rlhf.model.head"):
+    with caplog.at_level("WARNING", logger="rlhf.model.layers"):
         out = kernels.forward(z, targets, None)
         again = kernels.forward(z, targets, None)
     assert kernels.compiled is False

@@ -44,8 +44,9 @@ def test_experts_cast_their_stacks_once_and_compute_in_bf16():
     experts, x, chosen = experts_and_rows(1, 40)
     with torch.autocast(**BF16):
         y = experts.forward_rows(x, chosen)
+    # silu(gate) * up in fp32 from the bf16 projections, rounded to bf16 once (`rlhf.model.experts.swiglu`)
     ref = torch.stack([torch.nn.functional.linear(
-        torch.nn.functional.silu(gate) * up, experts.down_proj[e].bfloat16())
+        (torch.nn.functional.silu(gate.float()) * up.float()).bfloat16(), experts.down_proj[e].bfloat16())
         for e, (gate, up) in ((int(e), torch.nn.functional.linear(x[r:r + 1].bfloat16(), experts.gate_up_proj[int(e)]
                                                                    .bfloat16()).chunk(2, -1))
                               for r, e in enumerate(chosen))]).squeeze(1)
