@@ -68,12 +68,16 @@ class GroupedRows:
         return GroupedRows(dest_R, ends_E.to(torch.int32), rows)
 
 
-def _buffer(like: torch.Tensor, rows: int) -> torch.Tensor:
-    """Rows for `like`'s rows to be written into: zeros where some stay unwritten (padding), else uninitialised (no
-    row is padding, as in fp32: a permutation, every row written)."""
-    if rows == like.shape[0]:
-        return like.new_empty(rows, like.shape[1])
-    return like.new_zeros(rows, like.shape[1])
+def _scatter(x_RH: torch.Tensor, dest_R: torch.Tensor, rows: int) -> torch.Tensor:
+    """x's rows at rows `dest_R` of `rows` rows, zeros in the others (padding), made as one gather: each output row
+    reads its source row, or a zero row appended to x. On cpu `index_select` moves [2,700, 512] bf16 rows 3x as fast
+    as `index_copy_` into a zeroed buffer (0.13 against 0.40 ms, the zeroing and the append included)."""
+    R = x_RH.shape[0]
+    src_P = torch.full((rows,), R, dtype=torch.long, device=x_RH.device)
+    src_P[dest_R] = torch.arange(R, device=x_RH.device)
+    if rows > R:
+        x_RH = torch.cat([x_RH, x_RH.new_zeros(1, x_RH.shape[1])])
+    return x_RH.index_select(0, src_P)
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -82,7 +86,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dest, rows):
         ctx.save_for_backward(dest)
-        return _buffer(x, rows).index_copy_(0, dest, x)
+        return _scatter(x, dest, rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,7 +106,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (dest,) = ctx.saved_tensors
-        return _buffer(grad, ctx.rows).index_copy_(0, dest, grad), None
+        return _scatter(grad, dest, ctx.rows), None
 
 
 def _weight_grads(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor,

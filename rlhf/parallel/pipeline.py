@@ -86,7 +86,7 @@ class PipelineRunner:
                 x_in = self._recv(mb, self.prev).requires_grad_()
             y = self._stage_forward(mb, x_in)
             if self.last:
-                logp, ent = logprob_fn(y, mb.input_ids_BT)
+                logp, ent = logprob_fn(y, mb.input_ids_BT, mb.extras.get("mask"))  # the head on the loss's positions
                 y = loss_fn(logp, ent, mb)
                 losses.append(y.detach())
             else:

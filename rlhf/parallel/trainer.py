@@ -214,10 +214,19 @@ class ParallelTrainer:
                                   for mb, p, c in zip(routed, parts, counts)]
 
     def _score(self, temperature: float):
-        """(final hidden [B, T, H], ids) -> (logp, entropy) [B, T-1] of each next token: the fused LM head."""
-        def score(hidden_BTH, ids_BT):
+        """(final hidden [B, T, H], ids[, mask [B, T-1]]) -> (logp, entropy) [B, T-1] of each next token: the fused LM
+        head. With `mask` (the positions a loss reads: the response tokens) the head runs on those positions alone
+        and the others are 0: the prompt's positions (and padding) cost nothing, and a loss that weighs every
+        position by the mask gets the same values and gradients (up to the rounding of products over fewer rows)."""
+        def score(hidden_BTH, ids_BT, mask_BT=None):
+            h_BTH, t_BT = hidden_BTH[:, :-1], ids_BT[:, 1:]
             with self._compute():
-                return self.model.lm_head(hidden_BTH[:, :-1], ids_BT[:, 1:], temperature)
+                if mask_BT is None:
+                    return self.model.lm_head(h_BTH, t_BT, temperature)
+                keep_BT = mask_BT > 0
+                logp_1N, ent_1N = self.model.lm_head(h_BTH[keep_BT][None], t_BT[keep_BT][None], temperature)
+            zeros = torch.zeros(keep_BT.shape, dtype=logp_1N.dtype, device=logp_1N.device)
+            return zeros.masked_scatter(keep_BT, logp_1N[0]), zeros.masked_scatter(keep_BT, ent_1N[0])
         return score
 
     @torch.no_grad()
@@ -255,7 +264,7 @@ class ParallelTrainer:
             else:
                 losses = []
                 for mb in micro_batches:
-                    logp, ent = score(self._hidden(mb), mb.input_ids_BT)
+                    logp, ent = score(self._hidden(mb), mb.input_ids_BT, mb.extras.get("mask"))
                     loss = loss_fn(logp, ent, mb)
                     with autocast_off(self.device.type):
                         loss.backward()

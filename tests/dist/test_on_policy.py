@@ -65,3 +65,51 @@ def test_on_policy_update_equals_the_full_computation(tmp_path):
         diff = max((res["on_policy"][n] - res["full"][n]).abs().max().item() for n in res["full"])
         assert moved > 1e-4  # the step did change the weights
         assert diff <= 1e-6, diff
+
+
+def head_worker(rank, model_dir):
+    """One rank: the same update with the head on the response positions alone (the micro-batches carry the loss's
+    mask, as the trainer's always do) and on every position (the mask hidden from the trainer under another key)."""
+    import dataclasses
+
+    tcfg = dataclasses.replace(TCFG, dp=1, ep=1)
+    batch = _batch()
+    normaliser = loss_normaliser(ALGO, batch.mask_BT)
+    out = {}
+    for mode in ("response_only", "every_position"):
+        trainer = ParallelTrainer(CFG, tcfg, Layout(), rank, model_dir)
+        mbs = batch.micro_batches(list(range(8)), 1, 0, tcfg.micro_batch_tokens)
+        if mode == "every_position":
+            mbs = [dataclasses.replace(mb, extras={k: v for k, v in mb.extras.items() if k != "mask"}
+                                       | {"loss_mask": mb.extras["mask"]}) for mb in mbs]
+        seen = []
+
+        def loss(logp, ent, mb):
+            seen.append((logp.detach(), ent.detach()))
+            extras = dict(mb.extras)
+            extras.setdefault("mask", extras.get("loss_mask"))
+            return policy_loss(ALGO, logp, ent, extras, normaliser, LossRecord())
+
+        trainer.train_step(mbs, loss, first=True)
+        masks = [mb.extras.get("mask", mb.extras.get("loss_mask")) for mb in mbs]
+        out[mode] = {"params": {n: p.detach().clone() for n, p in trainer.params.items()}, "seen": seen,
+                     "masks": masks}
+    return out
+
+
+def test_the_head_on_the_response_positions_alone_gives_the_same_update(tmp_path):
+    """The trainer runs the LM head on the positions the loss reads (responses; not the prompt, not padding): the
+    logprobs and entropies there within fp32 rounding of the head over every position, 0 elsewhere, and the
+    parameters after the step within 1e-6."""
+    m = Qwen3MoeForCausalLM(CFG)
+    m.init_weights(0, std=0.1)
+    save_pretrained(m, tmp_path)
+    (res,) = run_ranks(head_worker, 1, str(tmp_path), timeout_s=300)
+    a, b = res["response_only"], res["every_position"]
+    for (lp_a, ent_a), (lp_b, ent_b), mask in zip(a["seen"], b["seen"], a["masks"]):
+        keep = mask > 0
+        assert 0 < int(keep.sum()) < keep.numel()  # prompts and padding left out
+        assert torch.allclose(lp_a[keep], lp_b[keep], atol=1e-6) and torch.allclose(ent_a[keep], ent_b[keep], atol=1e-6)
+        assert not lp_a[~keep].any() and not ent_a[~keep].any() and lp_b[~keep].any()
+    diff = max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
+    assert diff <= 1e-6, diff

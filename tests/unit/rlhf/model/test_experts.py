@@ -205,3 +205,13 @@ def test_the_weight_gradient_goes_into_the_parameters_buffer_bit_for_bit(dtype):
         p.grad = None
     (grouped_swiglu(x, expert_R, *plain, multiple, params=(gate_up, down)).float() * w).sum().backward()
     assert all(torch.equal(p.grad, ref) for p, ref in zip((gate_up, down), want))
+
+
+@pytest.mark.parametrize("rows", [6, 11], ids=["permutation", "padded"])
+def test_rows_scattered_by_a_gather_equal_the_rows_copied_into_zeros(rows):
+    from rlhf.model.experts import _scatter
+
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(4)).bfloat16()
+    dest = torch.tensor([3, 0, 5, 1, 4, 2]) if rows == 6 else torch.tensor([7, 0, 10, 1, 4, 2])
+    want = torch.zeros(rows, 5, dtype=torch.bfloat16).index_copy_(0, dest, x)
+    assert torch.equal(_scatter(x, dest, rows), want)
