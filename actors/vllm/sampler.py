@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf.model.layers import CompiledKernels, EagerKernels
+
 BLOCK = 128  # probabilities a block: the first search runs over V / BLOCK block sums, the second over BLOCK
 
 
@@ -109,19 +111,9 @@ def token_ranks(logits_BV: torch.Tensor, chosen_B1: torch.Tensor) -> torch.Tenso
     return (logits_BV.float() >= chosen_B1).sum(-1)
 
 
+SAMPLE_KERNELS = CompiledKernels("the engines' sampling kernels", plain_rows, token_ranks)
+EAGER_SAMPLE_KERNELS = EagerKernels(plain_rows, token_ranks)
 SAMPLE_COMPILE_MIN_ELEMENTS = 1 << 16  # fewer logits: the eager functions (the compile would cost more)
-_KERNELS = None
-
-
-def _kernels(numel: int):
-    global _KERNELS
-    from rlhf.model.layers import CompiledKernels, EagerKernels
-
-    if numel < SAMPLE_COMPILE_MIN_ELEMENTS:
-        return EagerKernels(plain_rows, token_ranks)
-    if _KERNELS is None:
-        _KERNELS = CompiledKernels("the engines' sampling kernels", plain_rows, token_ranks)
-    return _KERNELS
 
 
 def sample_plain(logits_BV: torch.Tensor, generators: dict[int, torch.Generator], logprobs: bool):
@@ -130,7 +122,8 @@ def sample_plain(logits_BV: torch.Tensor, generators: dict[int, torch.Generator]
     B, V = logits_BV.shape
     nb = -(-V // BLOCK)
     z = logits_BV if nb * BLOCK == V else F.pad(logits_BV, (0, nb * BLOCK - V), value=float("-inf"))
-    kernels = _kernels(z.numel())  # (its two functions: forward `plain_rows`, backward `token_ranks`)
+    # (the kernels' two functions: forward `plain_rows`, backward `token_ranks`)
+    kernels = SAMPLE_KERNELS if z.numel() >= SAMPLE_COMPILE_MIN_ELEMENTS else EAGER_SAMPLE_KERNELS
     lse_B, m_B1, sums_BN = kernels.forward(z)
     blocks_BNK = z.view(B, nb, BLOCK)
     tokens_B = sample_blocks(sums_BN, lambda rows, block: torch.exp(blocks_BNK[rows, block].float() - m_B1),

@@ -148,7 +148,7 @@ def test_the_compiled_plain_kernels_draw_and_score_as_the_eager_ones(monkeypatch
     eager = sample_plain(logits, seeded(B), True)
     monkeypatch.setattr(sampler_mod, "SAMPLE_COMPILE_MIN_ELEMENTS", 0)
     compiled = sample_plain(logits, seeded(B), True)
-    assert sampler_mod._KERNELS is not None and sampler_mod._KERNELS.compiled, "torch.compile failed"
+    assert sampler_mod.SAMPLE_KERNELS.compiled, "torch.compile failed"
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[2], compiled[2])
     assert torch.allclose(eager[1], compiled[1], atol=1e-5)
     want = logits.float().log_softmax(-1).gather(1, eager[0][:, None]).squeeze(1)
