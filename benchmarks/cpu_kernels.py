@@ -54,7 +54,9 @@ def _ms(fn, repeats: int) -> float:
 
 def sampling(repeats: int) -> dict:
     import torch
-    import vllm._C  # noqa: F401  (registers torch.ops._C.fused_gumbel_argmax)
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # this cpu's build (AVX-512 or AVX2): torch.ops._C.fused_gumbel_argmax
 
     from actors.vllm.sampler import sample_inverse_cdf, uniforms
 
