@@ -22,6 +22,8 @@ from actors.remote import node_address
 from actors.replies import LogprobsReply, SendReply, UpdateReply, UpdateStats
 from rlhf.algorithms.objective import LossRecord, loss_normaliser, policy_loss
 from rlhf.batch import TokenBatch
+from rlhf.cpu_matmul import compute_dtype_problem
+from rlhf.errors import ConfigError
 from rlhf.host_memory import small_onednn_cache, trim_heap
 from rlhf.model.head import release_scratch
 from rlhf.moe.routing import RouteFetch, RouteShare
@@ -48,6 +50,9 @@ class PolicyWorker:
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, device_type: DeviceType,
                  rank: int, model_dir: str, threads: int = 1):
+        problem = compute_dtype_problem(model_cfg, trainer_cfg, device_type)  # this rank's machine
+        if problem:
+            raise ConfigError(problem)
         small_onednn_cache()  # before this process's first matmul
         torch.set_num_threads(threads)
         self.model_cfg, self.tcfg, self.device_type, self.rank = model_cfg, trainer_cfg, device_type, rank

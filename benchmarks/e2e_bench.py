@@ -209,12 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_timeline and not args.memory_timeline.resolve().parent.is_dir():
         parser.error(f"--memory-timeline {args.memory_timeline}: its folder does not exist; create it or give another")
 
-    from rlhf.config import load_run_config
+    from rlhf.config import ConfigError, load_run_config
+    from rlhf.cpu_matmul import compute_dtype_problem
     from rlhf.driver import train
     from rlhf.host_allocator import allocator_env, allocator_name
 
     total = args.warmup + args.steps
-    cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
+    try:
+        cfg = load_run_config(args.config, [*args.overrides, f"steps={total}", f"eval_every={total + 1000}"])
+    except ConfigError as e:
+        parser.error(str(e))
+    problem = compute_dtype_problem(cfg.model, cfg.trainer, cfg.placement.device_type)
+    if problem:  # before the policy is built and the machine probed
+        parser.error(problem)
     build_policy(cfg)
     import torch
 

@@ -196,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.parallel.launch import run_ranks
 
     cfg = load_model_config(args.model)
+    from rlhf.cpu_matmul import half_matmul_fast
+    from rlhf.schema import DType
+
+    dtype = DType(args.compute_dtype) if args.compute_dtype else cfg.dtype
+    if not half_matmul_fast(dtype):  # hours a step (rlhf/cpu_matmul.py)
+        parser.error(f"{dtype.value}: this cpu has no {dtype.value} matmul instructions (no AVX-512 or AMX), where "
+                     "torch's reference loop runs them about 50x slower than fp32: give --compute-dtype float32")
     model_dir = REPO / "out" / "bench" / f"{cfg.name}-update"
     if not (model_dir / "config.json").is_file():
         model = Qwen3MoeForCausalLM(cfg)

@@ -354,6 +354,9 @@ class TrainerConfig:
     # Mixed precision: the matmuls of forward and backward in this dtype (torch.autocast); parameters, gradients,
     # AdamW state stay in model.dtype; norms, softmaxes, routers' choice and loss in fp32 (docs/trainer.md).
     compute_dtype: Optional[DType] = None
+    # On cpu, a bf16 (fp16) trainer on a cpu without matmul instructions for it (no AVX-512 or AMX: torch's
+    # reference loop, ~50x slower than fp32) is refused before it starts; true runs it anyway (rlhf/cpu_matmul.py).
+    allow_slow_cpu_bf16: bool = False
     # On cpu, the malloc of the trainer's and reference's processes: jemalloc keeps the pages an update frees for
     # its next micro-batch, where glibc maps and faults its large blocks afresh (docs/throughput.md).
     cpu_allocator: CpuAllocator = CpuAllocator.auto

@@ -29,6 +29,7 @@ from rlhf.batch import TokenBatch
 from rlhf.checkpoint import (commit, export_hf, fresh_run_problem, prune, queued_groups_problem, resolve_resume,
                              rng_state, set_rng_state, step_dir)
 from rlhf.config.load import as_dict
+from rlhf.cpu_matmul import compute_dtype_problem
 from rlhf.data.prompts import DatasetError, PromptRow, fit_context, load_prompts, valid_answers
 from rlhf.data.sandbox import parse_tests
 from rlhf.data.sandbox_box import isolation_problem
@@ -75,6 +76,9 @@ class RunInputs:
     def prepare(cfg: RunConfig, log: Log) -> "RunInputs":
         model_dir = str(check_model_dir(cfg.model, make_tiny_args(cfg)))
         dm = device_map(cfg)
+        problem = compute_dtype_problem(cfg.model, cfg.trainer, dm.device_type)  # the driver's machine; each rank
+        if problem:  # checks its own
+            raise ConfigError(problem)
         d = cfg.data
         tokenizer = load_tokenizer(model_dir)
         # at most data.max_prompt_tokens, and room left for the longest answer in the engines' context (the

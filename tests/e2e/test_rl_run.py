@@ -307,7 +307,8 @@ def test_rollout_routing_replay_with_bf16_engines(tiny, ray_session, tmp_path):
     d, _ = tiny
     cfg = load_run_config(REPO / "configs/tiny_cpu.yaml", _overrides(
         d, tmp_path, "steps=2", "eval_every=100", "checkpoint.export_hf=false", "rollout.dtype=bfloat16",
-        "trainer.routing_replay=rollout", "trainer.compute_dtype=bfloat16"))
+        "trainer.routing_replay=rollout", "trainer.compute_dtype=bfloat16",
+        "trainer.allow_slow_cpu_bf16=true"))  # a tiny model: fast enough on a cpu without bf16 matmuls
     result = train(cfg)
     assert result["steps_run"] == 2
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@ DatasetError) naming the key, file or line, raised by what a run checks before a
 
 import json
 import string
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from rlhf.data.tokenizer import build_tokenizer, save_tokenizer
 from rlhf.driver.run import RunInputs
 from rlhf.model.hf_io import SINGLE_FILE, save_pretrained
 from rlhf.model.qwen3_moe import Qwen3MoeForCausalLM
+from rlhf.schema import DeviceType, DType
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -240,3 +242,40 @@ def test_code_reward_without_the_box_is_refused_before_any_actor_starts(policy, 
     path.write_text(yaml.safe_dump(raw))
     RunInputs.prepare(load_run_config(path), log=said.append)
     assert any("reward.sandbox.isolation=process" in s and "without the box" in s for s in said)
+
+
+def test_a_bf16_trainer_on_a_cpu_without_bf16_matmuls_is_refused_before_any_actor_starts(policy, tmp_path, monkeypatch):
+    """On a cpu whose torch has no fast bf16 matmul (x86 without AVX-512 or AMX: its reference loop, about 50x slower
+    than fp32), a bf16 trainer is refused before any actor starts and by each rank on its own machine, naming the
+    setting to change; fp32 runs, and trainer.allow_slow_cpu_bf16=true runs bf16 anyway."""
+    from actors.trainer_worker import PolicyWorker
+    from rlhf import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "half_matmul_fast", lambda dtype: dtype.value == "float32")
+    raw = _base(policy, tmp_path / "out")
+    raw.setdefault("trainer", {})["compute_dtype"] = "bfloat16"
+    with pytest.raises(ConfigError, match=r"trainer.compute_dtype = bfloat16: this cpu has no bfloat16 matmul .*about "
+                                          r"50x slower than fp32.*Set trainer.compute_dtype=float32 .*"
+                                          r"trainer.allow_slow_cpu_bf16=true"):
+        _prepare(raw, tmp_path / "run.yaml")
+    cfg = load_run_config(tmp_path / "run.yaml", [f"output_dir={tmp_path / 'out2'}"])
+    with pytest.raises(ConfigError, match="trainer.compute_dtype = bfloat16: this cpu"):  # a rank on its own machine
+        PolicyWorker(cfg.model, cfg.trainer, cfg.placement.device_type, 0, str(policy))
+    raw["trainer"]["allow_slow_cpu_bf16"] = True
+    assert len(_prepare(raw, tmp_path / "run.yaml").sampler.rows) == 64
+    del raw["trainer"]["allow_slow_cpu_bf16"], raw["trainer"]["compute_dtype"]
+    assert len(_prepare(raw, tmp_path / "run.yaml").sampler.rows) == 64  # fp32, the tiny configs' dtype
+    # a model stored in bf16 trains in bf16: the fix names both keys
+    assert "Set model.dtype=float32 and trainer.compute_dtype=float32" in cpu_matmul.compute_dtype_problem(
+        replace(cfg.model, dtype=DType.bfloat16), replace(cfg.trainer, compute_dtype=None), DeviceType.cpu)
+    # other devices are not this cpu's business
+    assert cpu_matmul.compute_dtype_problem(cfg.model, cfg.trainer, DeviceType.cuda) is None
+
+
+def test_torch_says_whether_its_half_matmuls_are_fast_here():
+    """`half_matmul_fast` asks torch's own check, which its matmul dispatch makes: True for fp32 always, for bf16
+    exactly where oneDNN takes torch's bf16 matmuls (the AVX-512 / AMX machines here; False on an AVX2-only one)."""
+    from rlhf.cpu_matmul import half_matmul_fast
+
+    assert half_matmul_fast(DType.float32)
+    assert half_matmul_fast(DType.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
