@@ -2,9 +2,9 @@
 
 torch multiplies bf16 (fp16) matrices on cpu through oneDNN where the cpu has the instructions for it (x86:
 AVX-512 with bw / vl / dq, or AMX, or AVX2-VNNI-2; Arm: the bf16 extension). Elsewhere, as on an AVX2-only AMD
-EPYC, every bf16 matmul takes torch's reference loop: 1.1 GFLOP/s against 60 GFLOP/s in fp32 on one thread of that
-machine ([256, 512] x [512, 1,024], 2026-12-01), so a bf16 trainer there runs its update about 50x slower than in
-fp32 (the small MoE's update: more than 15 minutes a step against about 20 s). `compute_dtype_problem` refuses that
+EPYC, every bf16 matmul takes torch's reference loop: 1.2 GFLOP/s against 65 GFLOP/s in fp32 on one thread of that
+machine (`rlhf calibrate --no-vllm`, 2026-12-01), so a bf16 trainer there runs its update about 50x slower than in
+fp32 (one rank's first bf16 update of the small MoE had not finished in 20 minutes; the whole fp32 step: 31-34 s). `compute_dtype_problem` refuses that
 before any actor starts (the driver's machine, `rlhf.driver.run.RunInputs`) and in each trainer or reference rank
 (its own machine), unless `trainer.allow_slow_cpu_bf16` says to run it anyway (tiny models, numerics tests).
 """
