@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from actors.vllm.owner_watch import OWNER_ENV, PLUGIN as OWNER_PLUGIN
 from rlhf.leftovers import remove_dead_process_dirs, temp_dir
 from rlhf.schema import DeviceType, RolloutConfig
 
@@ -61,6 +62,12 @@ def prepare_platform(device_type: DeviceType, cfg: RolloutConfig, cpu_cores: Seq
     if own_process:  # vLLM's other temp files (a file store per engine, never removed) go there as well
         os.environ["TMPDIR"] = tempfile.tempdir = str(ipc_dir())
         no_tqdm_semaphore()  # the engine's workers do the same (actors/vllm/worker_ext.py)
+    # the processes vLLM starts for this engine end with this process (actors/vllm/owner_watch.py): vLLM loads the
+    # watch as a general plugin in each of them; a user's VLLM_PLUGINS allow-list gets it added
+    os.environ[OWNER_ENV] = str(os.getpid())
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and OWNER_PLUGIN not in allowed.split(","):
+        os.environ["VLLM_PLUGINS"] = ",".join(p for p in (allowed, OWNER_PLUGIN) if p)
     # rollout.engine_core_in_process; by default only where this process is the engine's own (a Ray actor): an
     # in-process engine core binds the process's threads to the engine's core and seeds its global RNG
     in_process = cfg.engine_core_in_process
