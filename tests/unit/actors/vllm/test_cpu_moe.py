@@ -116,6 +116,19 @@ def test_threads_give_the_same_bits():
 
 
 @needs_kernel
+def test_a_tokens_output_does_not_depend_on_the_other_tokens():
+    # an expert's rows go through its tiles in groups of one to four: every row's sums run in the same order whatever
+    # the batch, so a token decodes to the same bits alone or among 40 (what makes a sample independent of its batch)
+    ops, (w13, w2) = _ops(), _layer()
+    x = (torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.5).bfloat16()
+    ids, weights = _routes(40, 8, 4, 3)
+    packed = ops.decode_moe_pack(w13), ops.decode_moe_pack(w2)
+    together = ops.decode_moe(x, ids, weights, *packed)
+    alone = torch.cat([ops.decode_moe(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], *packed) for t in range(40)])
+    assert torch.equal(together, alone)
+
+
+@needs_kernel
 def test_bad_input_is_refused_with_what_is_wrong():
     ops, (w13, w2) = _ops(), _layer()
     packed = ops.decode_moe_pack(w13), ops.decode_moe_pack(w2)
