@@ -246,6 +246,19 @@ def grad_norm(repeats: int) -> dict:
             "grad_norm_squares_fp64_ms": _ms(lambda: squares_fp64(grad), repeats)}
 
 
+def _moe_layers(tokens: int, layers: int, g, H=512, I=256, E=32, K=4):
+    """The small model's MoE layer shapes (top-4 of 32 experts of [512 -> 2 x 256 -> 512]): `tokens` bf16 inputs, their
+    routes (renormalized top-k weights, int32 ids) and `layers` layers' bf16 w13 / w2, drawn from `g` in that order."""
+    import torch
+
+    x = (torch.randn(tokens, H, generator=g) * 0.5).bfloat16()
+    tw, ids = torch.topk(torch.softmax(torch.randn(tokens, E, generator=g), -1), K)
+    tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
+    w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(layers)]
+    w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(layers)]
+    return x, tw, ids, w13, w2
+
+
 def decode_moe(repeats: int) -> dict:
     import torch
 
@@ -262,13 +275,9 @@ def decode_moe(repeats: int) -> dict:
     cpu_moe.load()
     ops = torch.ops.rlhf_cpu
     build_s = round(time.perf_counter() - t0, 1)
-    T, H, I, E, K, LAYERS = 32, 512, 256, 32, 4, 8
+    T, H, LAYERS = 32, 512, 8
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(T, H, generator=g) * 0.5).bfloat16()
-    tw, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K)
-    tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
-    w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
-    w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    x, tw, ids, w13, w2 = _moe_layers(T, LAYERS, g)
     vllm_w = [(cpu_prepack_moe_weight(a, "vec"), cpu_prepack_moe_weight(b, "vec")) for a, b in zip(w13, w2)]
     ours_w = [(ops.decode_moe_pack(a), ops.decode_moe_pack(b)) for a, b in zip(w13, w2)]
     out = torch.empty(T, H, dtype=torch.bfloat16)
@@ -288,9 +297,7 @@ def decode_moe(repeats: int) -> dict:
               "decode_moe_tiled_ms": round(_ms(tiled, repeats) / LAYERS, 3)}
     # a prefill's 1,024 tokens through one layer (128 rows an expert on average): the engines' kernel serves those too
     P = 1024
-    xp = (torch.randn(P, H, generator=g) * 0.5).bfloat16()
-    pw, pids = torch.topk(torch.softmax(torch.randn(P, E, generator=g), -1), K)
-    pw, pids = (pw / pw.sum(-1, keepdim=True)).contiguous(), pids.int().contiguous()
+    xp, pw, pids, _, _ = _moe_layers(P, 0, g)
     pout = torch.empty(P, H, dtype=torch.bfloat16)
     result["prefill_moe_vllm_vec_ms"] = round(_ms(lambda: cpu_fused_moe(pout, xp, *vllm_w[0], None, None, pw, pids,
                                                                         "silu", "vec", False), repeats), 2)
@@ -313,13 +320,8 @@ def moe_amx(repeats: int) -> dict:
 
     from weight_sync.quant import quantize_fp8_block
 
-    T, H, I, E, K, LAYERS = 64, 512, 256, 32, 4, 8
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(T, H, generator=g) * 0.5).bfloat16()
-    tw, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K)
-    tw, ids = (tw / tw.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
-    w13 = [(torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
-    w2 = [(torch.randn(E, H, I, generator=g) * 0.05).bfloat16() for _ in range(LAYERS)]
+    T, H, LAYERS = 64, 512, 8
+    x, tw, ids, w13, w2 = _moe_layers(T, LAYERS, torch.Generator().manual_seed(0))
     bf16_w = [(cpu_prepack_moe_weight(a, "amx"), cpu_prepack_moe_weight(b, "amx")) for a, b in zip(w13, w2)]
 
     def fp8(w):
@@ -327,29 +329,27 @@ def moe_amx(repeats: int) -> dict:
         return torch.ops._C.convert_weight_packed(values), scales
 
     fp8_w = [(*fp8(a), *fp8(b)) for a, b in zip(w13, w2)]
-    out = torch.empty(T, H, dtype=torch.bfloat16)
+    out, out_fp8 = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
 
-    def bf16():
-        for a, b in bf16_w:
+    def bf16(weights, out):
+        for a, b in weights:
             cpu_fused_moe(out, x, a, b, None, None, tw, ids, "silu", "amx", False)
 
-    def w8a16():
-        for a, sa, b, sb in fp8_w:
+    def w8a16(weights, out):
+        for a, sa, b, sb in weights:
             fused_experts_cpu(out, x, a, b, tw, ids, CPUQuantMethod.FP8_W8A16, sa, sb, None, None, [128, 128])
 
-    a, sa, b, sb = fp8_w[0]
-    cpu_fused_moe(out, x, *bf16_w[0], None, None, tw, ids, "silu", "amx", False)
-    out_fp8 = torch.empty_like(out)
-    fused_experts_cpu(out_fp8, x, a, b, tw, ids, CPUQuantMethod.FP8_W8A16, sa, sb, None, None, [128, 128])
-    diff = (out_fp8.float() - out.float()).abs().max().item()
+    bf16(bf16_w[:1], out)
+    w8a16(fp8_w[:1], out_fp8)
+    diff, out_max = (out_fp8.float() - out.float()).abs().max().item(), out.float().abs().max().item()
 
     def mb(tensors):
         return round(sum(t.numel() * t.element_size() for t in tensors) / 1e6, 1)
 
-    return {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(bf16, repeats) / LAYERS, 3),
-            "moe_amx_fp8_w8a16_ms": round(_ms(w8a16, repeats) / LAYERS, 3),
-            "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8(w13[0]) + fp8(w2[0])),
-            "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out.float().abs().max().item()}
+    return {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(lambda: bf16(bf16_w, out), repeats) / LAYERS, 3),
+            "moe_amx_fp8_w8a16_ms": round(_ms(lambda: w8a16(fp8_w, out), repeats) / LAYERS, 3),
+            "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8_w[0]),
+            "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out_max}
 
 
 def main(argv: list[str] | None = None) -> int:
