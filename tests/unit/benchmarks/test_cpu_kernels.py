@@ -74,6 +74,9 @@ def test_moe_amx_part_times_bf16_and_fp8_or_says_what_is_missing(capsys):
     assert out["moe_amx_bf16_ms"] > 0 and out["moe_amx_fp8_w8a16_ms"] > 0
     assert out["moe_amx_fp8_mb"] <= 0.51 * out["moe_amx_bf16_mb"]
     assert 0 < out["moe_amx_fp8_max_abs_diff"] <= out["moe_amx_output_abs_max"] * 2 ** -4
+    from rlhf.config.validate import tiled_moe_missing
+
+    assert (out.get("moe_amx_tiled_ms", 0) > 0) == (tiled_moe_missing() is None)  # ours beside them where it builds
 
 
 def test_attention_part_times_each_kernel_and_the_scores_product(capsys):
