@@ -10,4 +10,4 @@ run: setup
 	@bash scripts/run_main.sh $(ARGS)
 
 test: setup
-	@.venv/bin/python -m pytest -q tests
+	@.venv/bin/python -m pytest -q --durations=25 tests

@@ -49,6 +49,14 @@ class EnvironmentWorker:
         """Drop the environments of `keys` (their episodes are over; None: every one)."""
         self.envs.close(keys)
 
+    def release(self) -> None:
+        """Called before the worker is killed: every environment dropped, and what their programs ran with let go
+        (`actors.reward.release_programs`)."""
+        from actors.reward import release_programs
+
+        self.envs.close(None)
+        release_programs()
+
 
 class EnvironmentPool:
     """The run's environment workers as one `Environments`. `start_worker(i)`: worker i on its placement slot

@@ -42,6 +42,21 @@ class RuleRewardWorker:
         scores, verdicts = score_batch(self.kind, responses, answers, self.sandbox)  # verdicts: kind code
         return ScoreReply(scores, t0, time.time() - t0, dict(verdicts))
 
+    def release(self) -> None:
+        """Called before the worker is killed: what its programs ran with let go (`release_programs`)."""
+        release_programs()
+
+
+def release_programs() -> None:
+    """The code verifier's warm interpreters stopped and its directories removed in this process, if it ran any
+    (`rlhf.data.sandbox.release`): a Ray actor killed runs no exit handler, and would leave them in the temp
+    directory until the next worker on the machine cleared them."""
+    import sys
+
+    sandbox = sys.modules.get("rlhf.data.sandbox")
+    if sandbox is not None:
+        sandbox.release()
+
 
 class RewardModelWorker:
     """A reward model (`rlhf.model.reward_model`) with its tokenizer, both from `model_path`.
@@ -63,6 +78,10 @@ class RewardModelWorker:
         self.tok = load_tokenizer(model_path)
         self.max_tokens = max_tokens or self.model.config.max_position_embeddings
         self.batch_size = batch_size
+
+    def release(self) -> None:
+        """Called before the worker is killed, as every reward worker is: a reward model holds nothing outside its
+        process."""
 
     def score(self, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None = None) -> ScoreReply:
         """One score per response; `answers` is only checked for length (a reward model needs none)."""

@@ -26,6 +26,7 @@ from actors.vllm.platform import SHUTDOWN_GRACE_S
 from rlhf.data.sampler import prompt_seed
 from rlhf.schema import DeviceType, RewardKind, RoutingReplay, RunConfig
 
+RELEASE_TIMEOUT_S = 30.0  # a reward or environment worker letting go of its programs' processes and directories
 START_TIMEOUT_S = 900.0  # vLLM start (30-40 s here; longer on a cold compile cache) and model loading
 
 
@@ -429,6 +430,12 @@ class Roles:
                 pass
         if self.shm_record is not None and closed == len(self.engines):  # each removed its own shared memory
             self.shm_record.unlink(missing_ok=True)
+        # rewards and environments let go of their programs' interpreters and directories (a killed actor runs
+        # no exit handler); one that fails or hangs here is killed all the same
+        try:
+            call_each([(h, "release", (), {}) for h in self.rewards + self.environments], timeout_s=RELEASE_TIMEOUT_S)
+        except Exception:
+            pass
         for h in self.trainer + self.reference + self.engines + self.rewards + self.environments:
             try:
                 h.kill()

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from rlhf.data import sandbox_box, sandbox_cpp, sandbox_exec
 from rlhf.data.sandbox_box import BLOCKED_SIGNAL, Box, isolation_problem
 from rlhf.data.sandbox_cpp import compile_program, precompiled
 from rlhf.data.sandbox_exec import Run
@@ -56,6 +57,16 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
 CPP_TAGS = frozenset({"cpp", "c++", "cxx", "cc"})
+
+
+def release() -> None:
+    """What this process's programs ran with, let go now: the warm interpreters stopped, the precompiled headers
+    and the box's directories removed (all remade by the next program). A worker calls it before it is killed,
+    since a Ray actor killed does not run its exit handlers; a worker killed without it leaves its directories to
+    the next worker on the machine (`rlhf.leftovers`)."""
+    sandbox_exec.close_all()
+    sandbox_cpp.release()
+    sandbox_box.release()
 
 
 def extract_program(response: str) -> str:

@@ -28,6 +28,7 @@ string: the fork server, a fresh interpreter and the compile wrapper run it befo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import platform
@@ -252,13 +253,26 @@ def scratch() -> tuple[str, str]:
     d = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
     os.chmod(d, 0o311)
 
-    def remove():
-        os.chmod(d, 0o700)
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(root, ignore_errors=True)
-
-    atexit.register(remove)
+    atexit.register(_remove, root, d)
     return root, d
+
+
+def _remove(root: str, d: str) -> None:
+    with contextlib.suppress(OSError):
+        os.chmod(d, 0o700)
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def release() -> None:
+    """This worker's box directories removed now (a Ray actor is killed without running its exit handlers); a
+    later box makes new ones."""
+    if scratch.cache_info().currsize:
+        root, d = scratch()
+        atexit.unregister(_remove)
+        _remove(root, d)
+    scratch.cache_clear()
+    Box.for_worker.cache_clear()
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,25 @@ def precompiled(command: list[str], header: str, env: dict, memory: int) -> str 
         return _built[key]
 
 
+def release() -> None:
+    """This process's precompiled headers removed now (a Ray actor is killed without running its exit handlers);
+    a later compile builds them again."""
+    with _lock:
+        dirs = [d for d in _built.values() if d]
+        _built.clear()
+    atexit.unregister(_remove)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _remove(d: str) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _build(command: list[str], header: str, env: dict, memory: int) -> str | None:
     remove_dead_dirs()
     d = tempfile.mkdtemp(prefix=f"{PCH_PREFIX}{os.getpid()}-")
-    atexit.register(shutil.rmtree, d, True)
+    atexit.register(_remove, d)
     target = Path(d, header + ".gch")
     target.parent.mkdir(parents=True, exist_ok=True)
     Path(d, "pch.hpp").write_text(f"#include <{header}>\n")

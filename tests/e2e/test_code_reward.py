@@ -3,6 +3,7 @@ under the actor's threads, scores come back in order, and nothing the programs s
 
 import json
 import os
+import tempfile
 import time
 
 
@@ -75,3 +76,47 @@ def test_a_ray_reward_worker_scores_programs_and_leaves_nothing_behind(ray_sessi
     while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.time() < deadline:
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)
+    # its box's directories (kernel isolation) stay until the next worker on the machine removes them
+    from rlhf.data import sandbox_box
+
+    while os.path.exists(f"/proc/{actor_pid}") and time.time() < deadline + 10:
+        time.sleep(0.05)
+    left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith((f"{sandbox_box.ROOT_PREFIX}{actor_pid}-",
+                                                                          f"{sandbox_box.WORK_PREFIX}{actor_pid}-"))]
+    assert sorted(left) == sorted(n for n in sandbox_box.remove_dead_dirs() if str(actor_pid) in n)
+    assert len(left) == (2 if isolation is SandboxIsolation.kernel else 0)
+
+
+def test_a_released_reward_worker_leaves_no_directory_when_it_is_killed(ray_session):
+    """What the driver's shutdown does (`Roles.shutdown`): each reward worker lets go of its programs' warm
+    interpreters, box and precompiled header before it is killed, since a killed actor runs no exit handler."""
+    import ray
+
+    from actors.reward import RuleRewardWorker
+    from rlhf.data.sandbox_box import ROOT_PREFIX, WORK_PREFIX, box_problem
+    from rlhf.data.sandbox_cpp import PCH_PREFIX
+    from rlhf.schema import RewardKind, SandboxConfig, SandboxIsolation
+
+    isolation = SandboxIsolation.kernel if box_problem() is None else SandboxIsolation.process
+    worker = ray.remote(RuleRewardWorker).options(num_cpus=0).remote(
+        RewardKind.code, SandboxConfig(timeout_s=5.0, processes=1, isolation=isolation))
+    actor_pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+
+    def dirs() -> list[str]:
+        return [n for n in os.listdir(tempfile.gettempdir())
+                if any(n.startswith(f"{p}{actor_pid}-") for p in (PCH_PREFIX, ROOT_PREFIX, WORK_PREFIX))]
+
+    stdio = json.dumps({"inputs": ["2 3\n"], "outputs": ["5"]})
+    cpp = '```cpp\n#include <cstdio>\nint main() { int a, b; scanf("%d %d", &a, &b); printf("%d\\n", a + b); }\n```'
+    out = ray.get(worker.score.remote([cpp, "print(sum(map(int, input().split())))"], [stdio] * 2), timeout=120)
+    assert out.scores == [1.0, 1.0]
+    made = dirs()
+    assert any(n.startswith(PCH_PREFIX) for n in made)
+    assert any(n.startswith(WORK_PREFIX) for n in made) == (isolation is SandboxIsolation.kernel)
+    servers = [pid for pid in _children(actor_pid) if b"recv_fds" in _cmdline(pid)]
+    assert servers
+    ray.get(worker.release.remote(), timeout=60)
+    assert dirs() == []
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in _children(actor_pid) if pid in servers)
+    ray.kill(worker)
+    assert dirs() == []

@@ -99,6 +99,37 @@ def test_bits_stdcpp_is_precompiled_once_and_taken_in_place_of_the_header(tmp_pa
     assert check(cpp(CONTEST), SUM, FAST).status == "passed"  # what a reward worker does, with the default config
 
 
+def test_release_stops_the_interpreters_and_removes_every_directory_and_the_next_program_remakes_them():
+    """What a reward worker does before it is killed (a killed Ray actor runs no exit handler)."""
+    from rlhf.data import sandbox_exec
+    from rlhf.data.sandbox import release
+    from rlhf.data.sandbox_box import ROOT_PREFIX, WORK_PREFIX, box_problem
+    from rlhf.data.sandbox_cpp import PCH_PREFIX
+
+    def mine() -> list[str]:
+        return sorted(n for n in os.listdir(tempfile.gettempdir())
+                      if any(n.startswith(f"{p}{os.getpid()}-") for p in (PCH_PREFIX, ROOT_PREFIX, WORK_PREFIX)))
+
+    py = json.dumps({"inputs": ["2 3\n"], "outputs": ["5"]})
+    assert check(cpp(ADD), SUM, FAST).status == "passed"  # a precompiled header, and a box where the kernel has one
+    assert check("print(sum(map(int, input().split())))", py, FAST).status == "passed"  # a warm interpreter
+    servers = [s.proc.pid for s in sandbox_exec._every]
+    boxed = box_problem() is None
+    made = mine()
+    assert any(n.startswith(PCH_PREFIX) for n in made) and servers
+    assert any(n.startswith(WORK_PREFIX) for n in made) == boxed
+    release()
+    assert mine() == [] and sandbox_exec._every == []
+    deadline = time.time() + 5
+    while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)
+    assert check("print(sum(map(int, input().split())))", py, FAST).status == "passed"
+    assert any(n.startswith(WORK_PREFIX) for n in mine()) == boxed
+    release()
+    assert mine() == []
+
+
 def test_a_header_that_cannot_be_precompiled_leaves_compiles_as_they_were(caplog):
     from rlhf.data.sandbox_cpp import precompiled
 
