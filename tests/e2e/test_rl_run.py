@@ -499,8 +499,15 @@ def test_the_code_task_with_feedback_runs_as_shipped(ray_session, tmp_path):
     """configs/tiny_cpu_code_feedback.yaml for two steps on a briefly warmed code policy (`make-tiny --task code`,
     30 SFT steps): each turn a program run in the sandbox of an environment worker, a failing one answered with
     what it printed and tried again; every episode has a status, no turn drifted, parity over exactly the
-    sampled tokens, the sandbox's answers read as observations."""
+    sampled tokens, the sandbox's answers read as observations; the workers' box directories gone with them."""
+    import tempfile
+
+    def box_dirs() -> set[str]:
+        return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(("rlhf-boxroot-", "rlhf-boxwork-"))}
+
+    before = box_dirs()
     result, steps = _shipped_task_two_steps(tmp_path, "code", 30, "configs/tiny_cpu_code_feedback.yaml")
+    assert box_dirs() <= before  # released before their workers were killed (`Roles.shutdown`)
     for m in steps:
         assert abs(sum(v for k, v in m.items() if k.startswith("agent/episodes_")) - 1) < 1e-9
         assert m["agent/token_mismatch"] == 0 and m["agent/episodes_timeout"] == 0
