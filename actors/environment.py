@@ -51,8 +51,8 @@ class EnvironmentWorker:
 
     def release(self) -> None:
         """Called before the worker is killed: every environment dropped, and what their programs ran with let go
-        (`actors.reward.release_programs`)."""
-        from actors.reward import release_programs
+        (`rlhf.leftovers.release_programs`)."""
+        from rlhf.leftovers import release_programs
 
         self.envs.close(None)
         release_programs()

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from actors.replies import ScoreReply
 from rlhf.data.verifiers import RULES, score_batch
+from rlhf.leftovers import release_programs
 from rlhf.schema import DeviceType, RewardKind, SandboxConfig
 
 
@@ -45,17 +46,6 @@ class RuleRewardWorker:
     def release(self) -> None:
         """Called before the worker is killed: what its programs ran with let go (`release_programs`)."""
         release_programs()
-
-
-def release_programs() -> None:
-    """The code verifier's warm interpreters stopped and its directories removed in this process, if it ran any
-    (`rlhf.data.sandbox.release`): a Ray actor killed runs no exit handler, and would leave them in the temp
-    directory until the next worker on the machine cleared them."""
-    import sys
-
-    sandbox = sys.modules.get("rlhf.data.sandbox")
-    if sandbox is not None:
-        sandbox.release()
 
 
 class RewardModelWorker:

@@ -38,6 +38,18 @@ def remove_dead_process_dirs(base: str, prefix: str) -> list[str]:
     return removed
 
 
+def release_programs() -> None:
+    """The code verifier's warm interpreters stopped and its directories removed in this process, if it ran any
+    (`rlhf.data.sandbox.release`): by a reward or environment worker before it is killed (a killed Ray actor runs
+    no exit handler, and would leave them until the next worker on the machine cleared them), and by the driver
+    as its run closes (held-out evaluation runs the verifier in the driver)."""
+    import sys
+
+    sandbox = sys.modules.get("rlhf.data.sandbox")
+    if sandbox is not None:
+        sandbox.release()
+
+
 @contextlib.contextmanager
 def temp_dir(target: str | os.PathLike):
     """While the block runs, this process's temp directory (`tempfile`'s, and TMPDIR for the processes it starts)

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from rlhf.leftovers import remove_dead_process_dirs
@@ -242,37 +243,42 @@ def remove_dead_dirs() -> list[str]:
     return remove_dead_process_dirs(base, ROOT_PREFIX) + remove_dead_process_dirs(base, WORK_PREFIX)
 
 
-@functools.lru_cache(maxsize=1)
+_scratch_lock = threading.Lock()
+_scratch: tuple[str, str] | None = None
+
+
 def scratch() -> tuple[str, str]:
     """This worker's (box mountpoint, scratch directory): the empty directory every box's root is mounted on (in
     its own mount namespace), and the directory the samples' directories are made in, read-only in the box and
-    not listable (mode 0311: the worker makes directories in it, a program cannot see its neighbours). Both
-    removed at exit; those of a worker killed before its exit, by the next one (`remove_dead_dirs`)."""
-    remove_dead_dirs()
-    root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-")
-    d = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
-    os.chmod(d, 0o311)
-
-    atexit.register(_remove, root, d)
-    return root, d
-
-
-def _remove(root: str, d: str) -> None:
-    with contextlib.suppress(OSError):
-        os.chmod(d, 0o700)
-    shutil.rmtree(d, ignore_errors=True)
-    shutil.rmtree(root, ignore_errors=True)
+    not listable (mode 0311: the worker makes directories in it, a program cannot see its neighbours). Made once
+    per process (under a lock: a reward worker's threads ask at once), removed at exit or by `release`; those of a
+    worker killed before either, by the next one (`remove_dead_dirs`)."""
+    global _scratch
+    with _scratch_lock:
+        if _scratch is None:
+            remove_dead_dirs()
+            root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-")
+            d = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
+            os.chmod(d, 0o311)
+            _scratch = (root, d)
+            atexit.register(release)
+        return _scratch
 
 
 def release() -> None:
     """This worker's box directories removed now (a Ray actor is killed without running its exit handlers); a
     later box makes new ones."""
-    if scratch.cache_info().currsize:
-        root, d = scratch()
-        atexit.unregister(_remove)
-        _remove(root, d)
-    scratch.cache_clear()
-    Box.for_worker.cache_clear()
+    global _scratch
+    with _scratch_lock:
+        made, _scratch = _scratch, None
+        Box.for_worker.cache_clear()
+    if made is not None:
+        atexit.unregister(release)
+        root, d = made
+        with contextlib.suppress(OSError):
+            os.chmod(d, 0o700)
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from rlhf.driver.metrics import step_metrics
 from rlhf.driver.record import Recorder
 from rlhf.driver.rollout import Rollout, heldout_accuracy
 from rlhf.errors import ConfigError
+from rlhf.leftovers import release_programs
 from rlhf.model.hf_io import check_model_dir
 from rlhf.moe.routing import RouteFetch
 from rlhf.parity import Parity, parity_problem, run_parity_limit
@@ -454,6 +455,7 @@ class Run:
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
+        release_programs()  # the held-out evaluation's programs, run in this process
         if self.ray_owned:
             import ray
 

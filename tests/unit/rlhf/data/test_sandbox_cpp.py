@@ -130,6 +130,32 @@ def test_release_stops_the_interpreters_and_removes_every_directory_and_the_next
     assert mine() == []
 
 
+def test_a_workers_threads_asking_at_once_make_one_scratch_directory():
+    """The driver's held-out evaluation and a reward worker check programs on several threads: each box's
+    directories made once per process, so `release` removes every one."""
+    import threading
+
+    from rlhf.data import sandbox_box
+
+    sandbox_box.release()
+    barrier, got = threading.Barrier(8), []
+
+    def ask():
+        barrier.wait()
+        got.append(sandbox_box.scratch())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mine = [n for n in os.listdir(tempfile.gettempdir())
+            if n.startswith((f"{sandbox_box.ROOT_PREFIX}{os.getpid()}-", f"{sandbox_box.WORK_PREFIX}{os.getpid()}-"))]
+    assert len(set(got)) == 1 and len(mine) == 2
+    sandbox_box.release()
+    assert not any(os.path.exists(p) for p in got[0])
+
+
 def test_a_header_that_cannot_be_precompiled_leaves_compiles_as_they_were(caplog):
     from rlhf.data.sandbox_cpp import precompiled
 
