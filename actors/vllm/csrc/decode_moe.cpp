@@ -11,6 +11,12 @@
 // to bf16, the down projection in fp32, the top-k weighted sum accumulated in fp32 in the routing's slot order and
 // rounded once: a bf16 model's, up to the order of the dot products' sums. A slot of weight 0 (another expert-
 // parallel rank's expert) is skipped.
+//
+// The FP8 form (`decode_moe_fp8`: block-FP8 engines, rollout.quantization=fp8_block) packs float8_e4m3fn values the
+// same way and takes vLLM's fp32 scales, one per 128 x 128 block: W8A16, each block's products of the exact fp8
+// values summed in fp32 and then multiplied by its scale, the rest as above. With AMX tiles (where fp8 engines run
+// on cpu) the blocks are turned into bf16 in L1 one at a time, overlapped with the tile products of the previous
+// block, and an expert's rows go through them 16 at a time; without, four rows at a time with `vdpbf16ps`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -187,8 +193,12 @@ void configure(int64_t rows) {
     c.colsb[t] = 64;
     c.rows[t] = static_cast<uint8_t>(rows);
   }
-  c.colsb[5] = 64;  // B
-  c.rows[5] = 16;
+  for (int t = 5; t < 7; ++t) {  // B, B'
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  c.colsb[7] = 64;  // A'
+  c.rows[7] = static_cast<uint8_t>(rows);
   _tile_loadconfig(&c);
 }
 
@@ -196,57 +206,83 @@ void grouped_fp8_amx(
     const uint16_t* x, const std::vector<int64_t>& first, const std::vector<int64_t>& experts, int64_t K,
     const uint8_t* w, const float* scales, int64_t N, float* out) {
   const int64_t tiles = N / TILE, kblocks = K / BLOCK;
+  constexpr int64_t CHUNKS = BLOCK * TILE / 32;  // 32 fp8 bytes each, one zmm of bf16 pairs
   at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t buf[BLOCK * TILE];
+    // this thread's blocks in order, q = (item - begin) * kblocks + kb, double-buffered: block q + 1 is turned into
+    // bf16 between the tile products of block q, so the weight stream and the conversions overlap the products
+    alignas(64) uint16_t buf[2][BLOCK * TILE];
     alignas(64) float c[16 * TILE];
+    const int64_t blocks = (end - begin) * kblocks;
+    auto source = [&](int64_t q) {
+      const int64_t item = begin + q / kblocks;
+      return w + experts[item / tiles] * N * K + (item % tiles) * K * TILE + (q % kblocks) * BLOCK * TILE;
+    };
+    auto convert = [](const uint8_t* src, uint16_t* dst, int64_t from, int64_t to) {
+      for (int64_t i = from; i < to; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(src + (i + 64) * 32), _MM_HINT_T0);
+        _mm512_store_si512(dst + i * 32, fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 32))));
+      }
+    };
+    if (blocks > 0) convert(source(0), buf[0], 0, CHUNKS);
     int64_t configured = -1;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t q = 0; q < blocks; ++q) {
+      const int64_t item = begin + q / kblocks, kb = q % kblocks;
       const int64_t e = experts[item / tiles], t = item % tiles, rows = first[e + 1] - first[e];
-      const uint8_t* tile_w = w + e * N * K + t * K * TILE;
       const float* tile_s = scales + (e * (N / BLOCK) + t * TILE / BLOCK) * kblocks;
-      const uint16_t* xe = x + first[e] * K;
+      const uint16_t* xe = x + first[e] * K + kb * BLOCK;
       float* oe = out + first[e] * N + t * TILE;
-      for (int64_t kb = 0; kb < kblocks; ++kb) {
-        const uint8_t* src = tile_w + kb * BLOCK * TILE;
-        for (int64_t i = 0; i < BLOCK * TILE / 32; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(src + (i + 64) * 32), _MM_HINT_T0);
-          _mm512_store_si512(buf + i * 32,
-                             fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 32))));
+      const uint16_t* cur = buf[q & 1];
+      uint16_t* next = buf[(q + 1) & 1];
+      const uint8_t* next_src = q + 1 < blocks ? source(q + 1) : nullptr;
+      int64_t converted = next_src ? 0 : CHUNKS;
+      const __m512 scale = _mm512_set1_ps(tile_s[kb]);
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t rr = std::min<int64_t>(16, rows - r0);
+        if (rr != configured) {
+          configure(rr);
+          configured = rr;
         }
-        const __m512 scale = _mm512_set1_ps(tile_s[kb]);
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-          const int64_t rr = std::min<int64_t>(16, rows - r0);
-          if (rr != configured) {
-            configure(rr);
-            configured = rr;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        // two A tiles (32 inputs each) and two B tiles in turn, so a load need not wait for the product before it
+        for (int64_t ks = 0; ks < BLOCK / 32; ks += 2) {
+          const uint16_t* b = cur + ks * 16 * 2 * TILE;
+          const uint16_t* b2 = b + 16 * 2 * TILE;
+          _tile_loadd(4, xe + r0 * K + ks * 32, K * 2);
+          _tile_loadd(7, xe + r0 * K + ks * 32 + 32, K * 2);
+          _tile_loadd(5, b, 4 * TILE);
+          _tile_loadd(6, b + 32, 4 * TILE);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(5, b + 64, 4 * TILE);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(6, b + 96, 4 * TILE);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, b2, 4 * TILE);
+          _tile_dpbf16ps(3, 4, 6);
+          _tile_loadd(6, b2 + 32, 4 * TILE);
+          _tile_dpbf16ps(0, 7, 5);
+          _tile_loadd(5, b2 + 64, 4 * TILE);
+          _tile_dpbf16ps(1, 7, 6);
+          _tile_loadd(6, b2 + 96, 4 * TILE);
+          _tile_dpbf16ps(2, 7, 5);
+          _tile_dpbf16ps(3, 7, 6);
+          if (converted < CHUNKS) {  // half of the next block while these products run
+            convert(next_src, next, converted, converted + CHUNKS / 2);
+            converted += CHUNKS / 2;
           }
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t ks = 0; ks < BLOCK / 32; ++ks) {
-            _tile_loadd(4, xe + r0 * K + kb * BLOCK + ks * 32, K * 2);
-            const uint16_t* b = buf + ks * 16 * 2 * TILE;
-            _tile_loadd(5, b, 4 * TILE);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, b + 32, 4 * TILE);
-            _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(5, b + 64, 4 * TILE);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, b + 96, 4 * TILE);
-            _tile_dpbf16ps(3, 4, 5);
-          }
-          _tile_stored(0, c, 4 * TILE);
-          _tile_stored(1, c + 16, 4 * TILE);
-          _tile_stored(2, c + 32, 4 * TILE);
-          _tile_stored(3, c + 48, 4 * TILE);
-          for (int64_t r = 0; r < rr; ++r)
-            for (int j = 0; j < 4; ++j) {
-              float* o = oe + (r0 + r) * N + j * 16;
-              const __m512 v = _mm512_mul_ps(scale, _mm512_loadu_ps(c + r * TILE + j * 16));
-              _mm512_storeu_ps(o, kb == 0 ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
-            }
         }
+        _tile_stored(0, c, 4 * TILE);
+        _tile_stored(1, c + 16, 4 * TILE);
+        _tile_stored(2, c + 32, 4 * TILE);
+        _tile_stored(3, c + 48, 4 * TILE);
+        for (int64_t r = 0; r < rr; ++r)
+          for (int j = 0; j < 4; ++j) {
+            float* o = oe + (r0 + r) * N + j * 16;
+            const __m512 v = _mm512_mul_ps(scale, _mm512_loadu_ps(c + r * TILE + j * 16));
+            _mm512_storeu_ps(o, kb == 0 ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
+          }
       }
     }
     if (configured >= 0) _tile_release();
