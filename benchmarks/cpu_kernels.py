@@ -33,7 +33,7 @@
   tiles run), bf16 and FP8 W8A16 (`rollout.quantization=fp8_block`), with the megabytes of weights each reads and the
   two outputs' largest difference (FP8's rounding of the weights), and our tiled kernel on the same layers where it
   builds, bf16 (`moe_amx_tiled_ms`) and its FP8 form (`moe_amx_tiled_fp8_ms`, what fp8 engines run by default,
-  with its largest difference from vLLM's FP8 output); skipped without AMX.
+  with its largest difference from vLLM's FP8 output), the kernels' calls interleaved; skipped without AMX.
 
 Milliseconds are medians of `--repeats` calls after a warm-up. The last line is one JSON object.
 """
@@ -326,14 +326,9 @@ def moe_amx(repeats: int) -> dict:
     x, tw, ids, w13, w2 = _moe_layers(T, LAYERS, torch.Generator().manual_seed(0))
     bf16_w = [(cpu_prepack_moe_weight(a, "amx"), cpu_prepack_moe_weight(b, "amx")) for a, b in zip(w13, w2)]
 
-    def fp8_raw(w):
-        return quantize_fp8_block(w)
-
-    def fp8(w):
-        values, scales = fp8_raw(w)
-        return torch.ops._C.convert_weight_packed(values), scales
-
-    fp8_w = [(*fp8(a), *fp8(b)) for a, b in zip(w13, w2)]
+    quantized = [(*quantize_fp8_block(a), *quantize_fp8_block(b)) for a, b in zip(w13, w2)]
+    fp8_w = [(torch.ops._C.convert_weight_packed(a), sa, torch.ops._C.convert_weight_packed(b), sb)
+             for a, sa, b, sb in quantized]
     out, out_fp8 = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
 
     def bf16(weights, out):
@@ -351,36 +346,36 @@ def moe_amx(repeats: int) -> dict:
     def mb(tensors):
         return round(sum(t.numel() * t.element_size() for t in tensors) / 1e6, 1)
 
-    result = {"moe_amx_tokens": T, "moe_amx_bf16_ms": round(_ms(lambda: bf16(bf16_w, out), repeats) / LAYERS, 3),
-              "moe_amx_fp8_w8a16_ms": round(_ms(lambda: w8a16(fp8_w, out), repeats) / LAYERS, 3),
-              "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8_w[0]),
+    kernels = {"moe_amx_bf16_ms": lambda: bf16(bf16_w, out), "moe_amx_fp8_w8a16_ms": lambda: w8a16(fp8_w, out)}
+    result = {"moe_amx_tokens": T, "moe_amx_bf16_mb": mb((w13[0], w2[0])), "moe_amx_fp8_mb": mb(fp8_w[0]),
               "moe_amx_fp8_max_abs_diff": diff, "moe_amx_output_abs_max": out_max}
-    # our experts' kernel (rollout.cpu_moe_kernel), which engines run on cpus without AMX, on the same layers
+    # our experts' kernel (rollout.cpu_moe_kernel) on the same layers where it builds: bf16 (what engines on cpus
+    # without AMX run) and its FP8 form (what fp8 engines run by default)
     from rlhf.config.validate import tiled_moe_missing
 
     if tiled_moe_missing() is None:
         from actors.vllm import cpu_moe
 
         cpu_moe.load()
-        ours = [(torch.ops.rlhf_cpu.decode_moe_pack(a), torch.ops.rlhf_cpu.decode_moe_pack(b)) for a, b in zip(w13, w2)]
-
-        def tiled():
-            for a, b in ours:
-                torch.ops.rlhf_cpu.decode_moe(x, ids, tw, a, b)
-
-        result["moe_amx_tiled_ms"] = round(_ms(tiled, repeats) / LAYERS, 3)
-        # and its FP8 W8A16 form (block scales, the same bytes as vLLM's FP8 kernel reads)
-        ours_fp8 = [tuple(torch.ops.rlhf_cpu.decode_moe_pack(t) if t.dtype == torch.float8_e4m3fn else t
-                          for t in (a, sa, b, sb)) for a, sa, b, sb in (fp8_raw(a) + fp8_raw(b)
-                                                                       for a, b in zip(w13, w2))]
-
-        def tiled_fp8():
-            for a, sa, b, sb in ours_fp8:
-                torch.ops.rlhf_cpu.decode_moe_fp8(x, ids, tw, a, sa, b, sb)
-
-        result["moe_amx_tiled_fp8_ms"] = round(_ms(tiled_fp8, repeats) / LAYERS, 3)
-        result["moe_amx_tiled_fp8_max_abs_diff"] = (torch.ops.rlhf_cpu.decode_moe_fp8(x, ids, tw, *ours_fp8[0])
-                                                    .float() - out_fp8.float()).abs().max().item()
+        ops = torch.ops.rlhf_cpu
+        ours = [(ops.decode_moe_pack(a), ops.decode_moe_pack(b)) for a, b in zip(w13, w2)]
+        ours_fp8 = [(ops.decode_moe_pack(a), sa, ops.decode_moe_pack(b), sb) for a, sa, b, sb in quantized]
+        kernels["moe_amx_tiled_ms"] = lambda: [ops.decode_moe(x, ids, tw, a, b) for a, b in ours]
+        kernels["moe_amx_tiled_fp8_ms"] = lambda: [ops.decode_moe_fp8(x, ids, tw, *w) for w in ours_fp8]
+        result["moe_amx_tiled_fp8_max_abs_diff"] = (ops.decode_moe_fp8(x, ids, tw, *ours_fp8[0]).float()
+                                                    - out_fp8.float()).abs().max().item()
+    # interleaved, call by call: this machine's memory bandwidth drifts by 2x within minutes, and the kernels are
+    # compared with each other
+    times = {name: [] for name in kernels}
+    for fn in kernels.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in kernels.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        result[name] = round(statistics.median(ts) * 1e3 / LAYERS, 3)
     return result
 
 

@@ -38,13 +38,15 @@ constexpr int64_t TILE = 64;  // outputs per packed tile
 // than one cache line 8 rows ahead, and 8 or 32 rows of whole lines less so (`cpu_kernels --only decode_moe`)
 constexpr int64_t PREFETCH_ROWS = 16;
 
-// R rows x 64 outputs of one packed tile: 4 R accumulators
+// R rows x 64 outputs of one packed tile over `pairs` pair rows of it: 4 R accumulators; x's rows `stride` apart.
+// Stored into out (bf16 weights), or with `scale` added into it (one K block of FP8 weights, turned into bf16)
 template <int R>
-inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, float* out, int64_t N, int64_t n0) {
+inline void tile(const uint16_t* x, int64_t stride, int64_t pairs, const uint16_t* w_tile, float* out, int64_t N,
+                 float scale, bool accumulate) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < K / 2; ++kk) {
+  for (int64_t kk = 0; kk < pairs; ++kk) {
     const uint16_t* row = w_tile + kk * 2 * TILE;
     for (int c = 0; c < 4; ++c)  // all four cache lines of the pair row PREFETCH_ROWS ahead
       _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_ROWS * 2 * TILE + c * 32), _MM_HINT_T0);
@@ -52,30 +54,35 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w_tile, float* ou
     for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
     for (int i = 0; i < R; ++i) {
       uint32_t pair;
-      std::memcpy(&pair, x + i * K + kk * 2, 4);
+      std::memcpy(&pair, x + i * stride + kk * 2, 4);
       __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
     }
   }
+  const __m512 s = _mm512_set1_ps(scale);
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * N + n0 + j * 16, acc[i][j]);
+    for (int j = 0; j < 4; ++j) {
+      float* o = out + i * N + j * 16;
+      _mm512_storeu_ps(o, accumulate ? _mm512_fmadd_ps(s, acc[i][j], _mm512_loadu_ps(o)) : acc[i][j]);
+    }
 }
 
-// out[r, n0:n0 + 64] = sum_k x[r, k] W[n, k] for R rows of bf16 x and one packed tile of W, four rows at a time
-// (the tile, K x 64 bf16, stays in cache between them)
-void gemm_tile(const uint16_t* x, int64_t R, int64_t K, const uint16_t* w_tile, float* out, int64_t N, int64_t n0) {
+// out[r, 0:64] (+)= sum_k x[r, k] W[n, k] for R rows of bf16 x and one packed tile of W, four rows at a time
+// (the tile, `pairs` x 64 pairs of bf16, stays in cache between them)
+void gemm_tile(const uint16_t* x, int64_t R, int64_t stride, int64_t pairs, const uint16_t* w_tile, float* out,
+               int64_t N, float scale = 1.f, bool accumulate = false) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, R - r0);
-    const uint16_t* xr = x + r0 * K;
+    const uint16_t* xr = x + r0 * stride;
     float* o = out + r0 * N;
     if (rr == 1) {
-      tile<1>(xr, K, w_tile, o, N, n0);
+      tile<1>(xr, stride, pairs, w_tile, o, N, scale, accumulate);
     } else if (rr == 2) {
-      tile<2>(xr, K, w_tile, o, N, n0);
+      tile<2>(xr, stride, pairs, w_tile, o, N, scale, accumulate);
     } else if (rr == 3) {
-      tile<3>(xr, K, w_tile, o, N, n0);
+      tile<3>(xr, stride, pairs, w_tile, o, N, scale, accumulate);
     } else {
-      tile<4>(xr, K, w_tile, o, N, n0);
+      tile<4>(xr, stride, pairs, w_tile, o, N, scale, accumulate);
     }
   }
 }
@@ -89,8 +96,8 @@ void grouped(const uint16_t* x, const std::vector<int64_t>& first, const std::ve
   at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = experts[item / tiles], t = item % tiles;
-      gemm_tile(x + first[e] * K, first[e + 1] - first[e], K, w + e * N * K + t * K * TILE, out + first[e] * N, N,
-                t * TILE);
+      gemm_tile(x + first[e] * K, first[e + 1] - first[e], K, K / 2, w + e * N * K + t * K * TILE,
+                out + first[e] * N + t * TILE, N);
     }
   });
 }
@@ -110,30 +117,6 @@ inline __m512i fp8_to_bf16(__m256i bytes) {
 }
 
 constexpr int64_t BLOCK = 128;  // fp8 weights: one fp32 scale per 128 x 128 block (DeepSeek-V3's layout)
-
-// R rows x 64 outputs over one 128-wide K block of a tile already turned into bf16 (`buf`, 64 pair rows, in L1):
-// out += scale x (x . w), the block's products summed in fp32 before its scale, as the block quantization defines
-template <int R>
-inline void block_tile(const uint16_t* x, int64_t K, const uint16_t* buf, float scale, float* out, int64_t N) {
-  __m512 acc[R][4];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < BLOCK / 2; ++kk) {
-    const uint16_t* row = buf + kk * 2 * TILE;
-    __m512bh w[4];
-    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
-    for (int i = 0; i < R; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, x + i * K + kk * 2, 4);
-      __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
-    }
-  }
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 4; ++j)
-      _mm512_storeu_ps(out + i * N + j * 16, _mm512_fmadd_ps(s, acc[i][j], _mm512_loadu_ps(out + i * N + j * 16)));
-}
 
 // the fp8 counterpart of `grouped`: each (expert, tile) item turns its tile into bf16 one K block at a time (read
 // once from memory, half the bytes of bf16) and runs every row of the expert through it, four at a time;
@@ -157,21 +140,7 @@ void grouped_fp8(const uint16_t* x, const std::vector<int64_t>& first, const std
           _mm512_store_si512(buf + c * 32,
                              fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32))));
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-          const int64_t rr = std::min<int64_t>(4, rows - r0);
-          const uint16_t* xr = xe + r0 * K + kb * BLOCK;
-          float* o = oe + r0 * N;
-          const float s = tile_s[kb];
-          if (rr == 1) {
-            block_tile<1>(xr, K, buf, s, o, N);
-          } else if (rr == 2) {
-            block_tile<2>(xr, K, buf, s, o, N);
-          } else if (rr == 3) {
-            block_tile<3>(xr, K, buf, s, o, N);
-          } else {
-            block_tile<4>(xr, K, buf, s, o, N);
-          }
-        }
+        gemm_tile(xe + kb * BLOCK, rows, K, BLOCK / 2, buf, oe, N, tile_s[kb], true);
       }
     }
   });

@@ -77,6 +77,9 @@ def test_moe_amx_part_times_bf16_and_fp8_or_says_what_is_missing(capsys):
     from rlhf.config.validate import tiled_moe_missing
 
     assert (out.get("moe_amx_tiled_ms", 0) > 0) == (tiled_moe_missing() is None)  # ours beside them where it builds
+    if tiled_moe_missing() is None:  # and its FP8 form, within bf16 rounding of vLLM's FP8 output
+        assert out["moe_amx_tiled_fp8_ms"] > 0
+        assert out["moe_amx_tiled_fp8_max_abs_diff"] <= out["moe_amx_output_abs_max"] * 2 ** -6
 
 
 def test_attention_part_times_each_kernel_and_the_scores_product(capsys):

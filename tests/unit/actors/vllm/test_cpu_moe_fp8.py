@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from rlhf.config.validate import tiled_moe_missing
+from tests.unit.actors.vllm.test_cpu_moe import _reference as bf16_reference
+from tests.unit.actors.vllm.test_cpu_moe import _routes
 
 WHY = tiled_moe_missing()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"the tiled kernel cannot run here: {WHY}")
@@ -41,29 +43,9 @@ def _dequantized(q, s):
 
 
 def _reference(x, ids, weights, q13, s13, q2, s2):
-    """fp32 products over the dequantized weights, rounded to bf16 where the kernel (and a bf16 layer) rounds."""
-    w13, w2 = _dequantized(q13, s13), _dequantized(q2, s2)
-    out, I = torch.zeros(x.shape, dtype=torch.float32), w2.shape[2]
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            w = weights[t, s].item()
-            if w == 0:
-                continue
-            e = ids[t, s].item()
-            h = (x[t].float() @ w13[e].T).bfloat16().float()
-            act = (torch.nn.functional.silu(h[:I]) * h[I:]).bfloat16().float()
-            out[t] += w * (act @ w2[e].T)
-    return out.bfloat16()
-
-
-def _routes(T, E, k, seed, counts=None):
-    g = torch.Generator().manual_seed(seed)
-    if counts is None:
-        weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g) * 2, -1), k)
-        return ids.int().contiguous(), (weights / weights.sum(-1, keepdim=True)).contiguous()
-    flat = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])
-    ids = flat[torch.randperm(T * k, generator=g)].view(T, k)
-    return ids.int().contiguous(), torch.rand(T, k, generator=g).contiguous()
+    """The bf16 form's reference (fp32 products, rounded to bf16 where a bf16 layer rounds) over the dequantized
+    weights."""
+    return bf16_reference(x, ids, weights, _dequantized(q13, s13), _dequantized(q2, s2))
 
 
 @needs_kernel
