@@ -177,7 +177,7 @@ def patch_vllm_experts() -> None:
     cls = cpu_moe.CPUUnquantizedExperts
     if getattr(cls, "_rlhf_decode_moe", False):
         return
-    process, apply = cls.process_weights_after_loading, cls.apply
+    process = cls.process_weights_after_loading
 
     def process_weights_after_loading(self, layer):
         self._rlhf_tiled = False
@@ -197,6 +197,19 @@ def patch_vllm_experts() -> None:
         replace_parameter(layer, "w2_weight", torch.ops.rlhf_cpu.decode_moe_pack(layer.w2_weight.data))
         self._rlhf_tiled = True
 
+    cls.process_weights_after_loading = process_weights_after_loading
+    _call_kernel_where_packed(cls, lambda self, x, ids, weights, w1, w2: torch.ops.rlhf_cpu.decode_moe(
+        x, ids, weights, w1, w2))
+    cls._rlhf_decode_moe = True
+    _patch_fp8_experts()
+
+
+def _call_kernel_where_packed(cls, kernel) -> None:
+    """`cls.apply` (a vLLM cpu experts class) calls `kernel(self, x, ids int32, weights fp32, w1, w2)` for layers packed
+    for our kernel (`self._rlhf_tiled`), vLLM's own apply for the others. The parameters are spelled out: the
+    expert-map patch (actors/vllm/worker_ext.py) wraps this by their names."""
+    apply = cls.apply
+
     def apply_(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                apply_router_weight_on_input):
@@ -206,13 +219,10 @@ def patch_vllm_experts() -> None:
                          apply_router_weight_on_input)
         # with apply_router_weight_on_input (top-1 routers) vLLM has already scaled the tokens by their weights
         weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input else topk_weights
-        output.copy_(torch.ops.rlhf_cpu.decode_moe(hidden_states.contiguous(), topk_ids.to(torch.int32).contiguous(),
-                                                   weights.float().contiguous(), w1, w2))
+        output.copy_(kernel(self, hidden_states.contiguous(), topk_ids.to(torch.int32).contiguous(),
+                            weights.float().contiguous(), w1, w2))
 
-    cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply_
-    cls._rlhf_decode_moe = True
-    _patch_fp8_experts()
 
 
 def fits_fp8(layer: torch.nn.Module, method) -> str | None:
@@ -243,7 +253,7 @@ def _patch_fp8_experts() -> None:
         from vllm.model_executor.utils import replace_parameter
     except ImportError:  # another vLLM build: nothing to patch
         return
-    setup, init, apply = Fp8MoEMethod._setup_kernel, Fp8MoEMethod._init_moe_kernel, CPUExpertsFp8.apply
+    setup, init = Fp8MoEMethod._setup_kernel, Fp8MoEMethod._init_moe_kernel
 
     def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
         choice = layer.__dict__.setdefault("_rlhf_moe_choice", Choice(os.environ.get(ENV, Choice.vllm.value)))
@@ -267,20 +277,9 @@ def _patch_fp8_experts() -> None:
         if isinstance(experts, CPUExpertsFp8):
             experts._rlhf_tiled = bool(layer.__dict__.get("_rlhf_fp8_tiled", False))
 
-    def apply_(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-               apply_router_weight_on_input):
-        if not getattr(self, "_rlhf_tiled", False):
-            return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                         expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-                         apply_router_weight_on_input)
-        weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input else topk_weights
-        output.copy_(torch.ops.rlhf_cpu.decode_moe_fp8(
-            hidden_states.contiguous(), topk_ids.to(torch.int32).contiguous(), weights.float().contiguous(), w1,
-            self.w1_scale, w2, self.w2_scale))
-
     Fp8MoEMethod._setup_kernel, Fp8MoEMethod._init_moe_kernel = _setup_kernel, _init_moe_kernel
-    CPUExpertsFp8.apply = apply_
+    _call_kernel_where_packed(CPUExpertsFp8, lambda self, x, ids, weights, w1, w2: torch.ops.rlhf_cpu.decode_moe_fp8(
+        x, ids, weights, w1, self.w1_scale, w2, self.w2_scale))
 
 
 @functools.lru_cache(maxsize=None)

@@ -117,6 +117,15 @@ inline __m512i fp8_to_bf16(__m256i bytes) {
 }
 
 constexpr int64_t BLOCK = 128;  // fp8 weights: one fp32 scale per 128 x 128 block (DeepSeek-V3's layout)
+constexpr int64_t CHUNKS = BLOCK * TILE / 32;  // a K block of a tile: chunks of 32 fp8 bytes, one zmm of bf16 pairs
+
+// chunks [from, to) of a K block of a packed fp8 tile into bf16 (the stream prefetched 2 KB ahead)
+inline void to_bf16(const uint8_t* src, uint16_t* dst, int64_t from, int64_t to) {
+  for (int64_t i = from; i < to; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + (i + 64) * 32), _MM_HINT_T0);
+    _mm512_store_si512(dst + i * 32, fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 32))));
+  }
+}
 
 // the fp8 counterpart of `grouped`: each (expert, tile) item turns its tile into bf16 one K block at a time (read
 // once from memory, half the bytes of bf16) and runs every row of the expert through it, four at a time;
@@ -134,12 +143,7 @@ void grouped_fp8(const uint16_t* x, const std::vector<int64_t>& first, const std
       float* oe = out + first[e] * N + t * TILE;
       for (int64_t r = 0; r < rows; ++r) std::memset(oe + r * N, 0, TILE * sizeof(float));
       for (int64_t kb = 0; kb < kblocks; ++kb) {
-        const uint8_t* src = tile_w + kb * BLOCK * TILE;
-        for (int64_t c = 0; c < BLOCK * TILE / 32; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(src + (c + 64) * 32), _MM_HINT_T0);
-          _mm512_store_si512(buf + c * 32,
-                             fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * 32))));
-        }
+        to_bf16(tile_w + kb * BLOCK * TILE, buf, 0, CHUNKS);
         gemm_tile(xe + kb * BLOCK, rows, K, BLOCK / 2, buf, oe, N, tile_s[kb], true);
       }
     }
@@ -175,7 +179,6 @@ void grouped_fp8_amx(
     const uint16_t* x, const std::vector<int64_t>& first, const std::vector<int64_t>& experts, int64_t K,
     const uint8_t* w, const float* scales, int64_t N, float* out) {
   const int64_t tiles = N / TILE, kblocks = K / BLOCK;
-  constexpr int64_t CHUNKS = BLOCK * TILE / 32;  // 32 fp8 bytes each, one zmm of bf16 pairs
   at::parallel_for(0, static_cast<int64_t>(experts.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
     // this thread's blocks in order, q = (item - begin) * kblocks + kb, double-buffered: block q + 1 is turned into
     // bf16 between the tile products of block q, so the weight stream and the conversions overlap the products
@@ -186,13 +189,7 @@ void grouped_fp8_amx(
       const int64_t item = begin + q / kblocks;
       return w + experts[item / tiles] * N * K + (item % tiles) * K * TILE + (q % kblocks) * BLOCK * TILE;
     };
-    auto convert = [](const uint8_t* src, uint16_t* dst, int64_t from, int64_t to) {
-      for (int64_t i = from; i < to; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(src + (i + 64) * 32), _MM_HINT_T0);
-        _mm512_store_si512(dst + i * 32, fp8_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * 32))));
-      }
-    };
-    if (blocks > 0) convert(source(0), buf[0], 0, CHUNKS);
+    if (blocks > 0) to_bf16(source(0), buf[0], 0, CHUNKS);
     int64_t configured = -1;
     for (int64_t q = 0; q < blocks; ++q) {
       const int64_t item = begin + q / kblocks, kb = q % kblocks;
@@ -238,7 +235,7 @@ void grouped_fp8_amx(
           _tile_dpbf16ps(2, 7, 5);
           _tile_dpbf16ps(3, 7, 6);
           if (converted < CHUNKS) {  // half of the next block while these products run
-            convert(next_src, next, converted, converted + CHUNKS / 2);
+            to_bf16(next_src, next, converted, converted + CHUNKS / 2);
             converted += CHUNKS / 2;
           }
         }
@@ -367,9 +364,11 @@ at::Tensor routed(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
 // w13 = pack([E, 2I, H]); w2 = pack([E, H, I]), bf16
 at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
                const at::Tensor& w2) {
-  const int64_t H = x.size(-1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
-  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
-                  w2.size(2) == I && H % TILE == 0 && I2 % TILE == 0 && I % 32 == 0,
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
+              "decode_moe: x [T, H], packed w13 [E, 2I, H] and w2 [E, H, I]");
+  const int64_t H = x.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I && H % TILE == 0 &&
+                  I2 % TILE == 0 && I % 32 == 0,
               "decode_moe: packed w13 [E, 2I, H] and w2 [E, H, I], H and 2I multiples of 64, I of 32");
   TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 && w13.is_contiguous() &&
                   w2.is_contiguous(), "decode_moe: bf16 contiguous weights");
@@ -383,9 +382,11 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wei
 // w2 = decode_moe_pack([E, H, I]) with s2 [E, H / 128, I / 128]: each weight its byte times its block's scale
 at::Tensor moe_fp8(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
                    const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2, bool amx) {
-  const int64_t H = x.size(-1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
-  TORCH_CHECK(w13.dim() == 3 && w13.size(2) == H && w2.dim() == 3 && w2.size(0) == E && w2.size(1) == H &&
-                  w2.size(2) == I && H % BLOCK == 0 && I % BLOCK == 0,
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && s13.dim() == 3 && s2.dim() == 3,
+              "decode_moe_fp8: x [T, H], packed w13 [E, 2I, H] and w2 [E, H, I], scales [E, N / 128, K / 128]");
+  const int64_t H = x.size(1), E = w13.size(0), I2 = w13.size(1), I = I2 / 2;
+  TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I && H % BLOCK == 0 &&
+                  I % BLOCK == 0,
               "decode_moe_fp8: packed w13 [E, 2I, H] and w2 [E, H, I], H and I multiples of 128");
   TORCH_CHECK(w13.scalar_type() == at::kFloat8_e4m3fn && w2.scalar_type() == at::kFloat8_e4m3fn &&
                   w13.is_contiguous() && w2.is_contiguous(), "decode_moe_fp8: float8_e4m3fn contiguous weights");

@@ -131,6 +131,8 @@ def test_bad_input_is_refused_with_what_is_wrong():
     x, ids, weights = torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
     with pytest.raises(RuntimeError, match=r"fp32 scales \[E, 2I / 128, H / 128\]"):
         ops.decode_moe_fp8(x, ids, weights, packed[0], s13[:, :1].contiguous(), *packed[2:])
+    with pytest.raises(RuntimeError, match=r"x \[T, H\], packed w13 \[E, 2I, H\]"):
+        ops.decode_moe_fp8(x[0], ids, weights, *packed)
     with pytest.raises(RuntimeError, match="float8_e4m3fn contiguous weights"):
         ops.decode_moe_fp8(x, ids, weights, packed[0].float(), *packed[1:])
     with pytest.raises(RuntimeError, match="H and I multiples of 128"):
