@@ -9,9 +9,11 @@
 The policy is `benchmarks/e2e_bench.py`'s (random weights of configs/small_cpu.yaml's model, built once under
 `out/small/policy`). Every completion runs to --new-tokens (`ignore_eos`). Two timed generates after start; the last
 line is one JSON object: the engine's `start_seconds`, its MoE layers by experts' kernel (`moe_kernels`:
-rollout.cpu_moe_kernel), `generate_seconds` of each, the tokens, and the decode
-step's seconds. Without a launcher's OMP_NUM_THREADS the engine's process may run more threads than its core: run
-with OMP_NUM_THREADS=1 to stand for a Ray actor of one CPU.
+rollout.cpu_moe_kernel), `generate_seconds` of each, the tokens, the decode step's milliseconds and its floor: the
+weight bytes a step reads (`decode_bytes`: every weight but the embedding, as `benchmarks/floors.py` counts them) at
+one thread's memory bandwidth, probed before the engine starts and after it closes (`memory_gb_per_s`, each the best
+of three; the floor takes the higher), and `decode_over_floor`. Without a launcher's OMP_NUM_THREADS the engine's
+process may run more threads than its core: run with OMP_NUM_THREADS=1 to stand for a Ray actor of one CPU.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     from actors.vllm.engine import VLLMEngine
     from rlhf.schema import DeviceType
 
+    from benchmarks.floors import decode_bytes
+    from rlhf.driver.calibrate import memory_gbytes_per_s
+    from rlhf.sim.workload import quant_bytes
+
+    def bandwidth() -> float:  # one thread's, best of three (a floor is what the machine can do)
+        before = torch.get_num_threads()
+        try:
+            return round(max(memory_gbytes_per_s(1) for _ in range(3)), 2)
+        finally:
+            torch.set_num_threads(before)
+
+    gb_per_s = [bandwidth()]
     rollout = replace(cfg.rollout, engine_core_in_process=True)
     t0 = time.perf_counter()
     engine = VLLMEngine(str(policy), rollout, device_type=DeviceType.cpu, cpu_cores=[args.core],
@@ -82,12 +96,20 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     finally:
         engine.close()
+    gb_per_s.append(bandwidth())
+    engine_dtype = getattr(torch, (rollout.dtype or cfg.model.dtype).value)
+    read = decode_bytes(cfg.model, engine_dtype, rollout.tp, quant_bytes(rollout.quantization.value,
+                                                                          cfg.model.hidden_size))
+    floor_ms = read / (max(gb_per_s) * 1e9) * 1e3
+    step_ms = min(seconds) / args.new_tokens * 1e3
     print(json.dumps({"overrides": args.overrides, "start_seconds": start_seconds, "moe_kernels": engine.moe_kernels,
                       "core": args.core,
                       "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "sequences": args.prompts * args.samples,
                       "tokens": tokens, "generate_seconds": seconds,
-                      "decode_step_ms": round(min(seconds) / args.new_tokens * 1e3, 1)}))
+                      "decode_step_ms": round(step_ms, 1), "decode_bytes": round(read),
+                      "memory_gb_per_s": gb_per_s, "decode_floor_ms": round(floor_ms, 2),
+                      "decode_over_floor": round(step_ms / floor_ms, 2)}))
     return 0
 
 
