@@ -60,18 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     from actors.vllm.engine import VLLMEngine
     from rlhf.schema import DeviceType
 
-    from benchmarks.floors import decode_bytes
-    from rlhf.driver.calibrate import memory_gbytes_per_s
-    from rlhf.sim.workload import quant_bytes
+    from benchmarks.floors import engine_decode_bytes, memory_rate
 
-    def bandwidth() -> float:  # one thread's, best of three (a floor is what the machine can do)
-        before = torch.get_num_threads()
-        try:
-            return round(max(memory_gbytes_per_s(1) for _ in range(3)), 2)
-        finally:
-            torch.set_num_threads(before)
-
-    gb_per_s = [bandwidth()]
+    gb_per_s = [round(memory_rate(), 2)]  # one thread's, best of three (a floor is what the machine can do)
     rollout = replace(cfg.rollout, engine_core_in_process=True)
     t0 = time.perf_counter()
     engine = VLLMEngine(str(policy), rollout, device_type=DeviceType.cpu, cpu_cores=[args.core],
@@ -96,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     finally:
         engine.close()
-    gb_per_s.append(bandwidth())
-    engine_dtype = getattr(torch, (rollout.dtype or cfg.model.dtype).value)
-    read = decode_bytes(cfg.model, engine_dtype, rollout.tp, quant_bytes(rollout.quantization.value,
-                                                                          cfg.model.hidden_size))
+    gb_per_s.append(round(memory_rate(), 2))
+    read = engine_decode_bytes(cfg)
     floor_ms = read / (max(gb_per_s) * 1e9) * 1e3
     step_ms = min(seconds) / args.new_tokens * 1e3
     print(json.dumps({"overrides": args.overrides, "start_seconds": start_seconds, "moe_kernels": engine.moe_kernels,

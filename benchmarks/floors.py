@@ -17,7 +17,7 @@ import torch
 
 from rlhf.driver.calibrate import matmul_tflops, memory_gbytes_per_s
 from rlhf.schema import ModelConfig
-from rlhf.sim.workload import model_cost
+from rlhf.sim.workload import model_cost, quant_bytes
 
 
 def machine_rates(dtype: torch.dtype, threads: int = 1, tries: int = 3) -> dict[str, float]:
@@ -27,7 +27,17 @@ def machine_rates(dtype: torch.dtype, threads: int = 1, tries: int = 3) -> dict[
     before = torch.get_num_threads()
     try:
         return {"matmul_tflops": max(matmul_tflops(dtype, threads) for _ in range(tries)),
-                "memory_gb_per_s": max(memory_gbytes_per_s(threads) for _ in range(tries))}
+                "memory_gb_per_s": memory_rate(threads, tries)}
+    finally:
+        torch.set_num_threads(before)
+
+
+def memory_rate(threads: int = 1, tries: int = 3) -> float:
+    """This machine's memory bandwidth on `threads` threads, GB/s: the best of `tries` copies, the caller's thread
+    count left as it was."""
+    before = torch.get_num_threads()
+    try:
+        return max(memory_gbytes_per_s(threads) for _ in range(tries))
     finally:
         torch.set_num_threads(before)
 
@@ -50,21 +60,24 @@ def decode_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1, quant_byte
     return (c.total + c.final_norm - c.embed) * size / tp
 
 
+def engine_decode_bytes(cfg) -> float:
+    """`decode_bytes` of one engine rank of run config `cfg`: its dtype, tp and weight format."""
+    r = cfg.rollout
+    return decode_bytes(cfg.model, getattr(torch, (r.dtype or cfg.model.dtype).value), r.tp,
+                        quant_bytes(r.quantization.value, cfg.model.hidden_size))
+
+
 def phase_floors(cfg, rates: dict[str, float], update_s: float, generate_s: float, trained_tokens: float,
                  decode_steps: float) -> dict[str, float]:
     """The benchmark's floor fields for one step of run config `cfg`: the update's and generation's floor seconds
     at `rates` (`machine_rates` in the trainer's compute dtype), and each measured phase over its floor.
     `trained_tokens`: tokens the update trains on (all DP ranks); `decode_steps`: the longest completion's tokens."""
-    t, r = cfg.trainer, cfg.rollout
+    t = cfg.trainer
     samples = cfg.data.prompts_per_step * cfg.algorithm.group_size
     ranks = t.dp * t.tp * t.pp  # each its own thread, side by side; TP and PP ranks share a sequence's FLOPs
     flops = update_flops(cfg.model, trained_tokens, samples, t.epochs)
     update_floor = flops / (ranks * rates["matmul_tflops"] * 1e12)
-    engine_dtype = getattr(torch, (r.dtype or cfg.model.dtype).value)
-    from rlhf.sim.workload import quant_bytes
-
-    read = decode_bytes(cfg.model, engine_dtype, r.tp, quant_bytes(r.quantization.value, cfg.model.hidden_size))
-    generate_floor = decode_steps * read / (rates["memory_gb_per_s"] * 1e9)
+    generate_floor = decode_steps * engine_decode_bytes(cfg) / (rates["memory_gb_per_s"] * 1e9)
     return {"update_flops": flops, "update_floor_seconds": round(update_floor, 3),
             "update_over_floor": round(update_s / update_floor, 2),
             "generate_floor_seconds": round(generate_floor, 3),

@@ -130,36 +130,28 @@ inline void to_bf16(const uint8_t* src, uint16_t* dst, int64_t from, int64_t to)
 
 // The same conversion with byte permutes (AVX512-VBMI: every cpu with AMX has it), 64 bytes at a time, in a third
 // of the instructions (what the AMX path runs; with the old conversion the layer took 1.3x as long): each byte's bf16
-// high and low byte looked up from two 128-entry tables (its low seven bits: exponent and mantissa; zero, the
-// subnormals and NaN included), its sign bit put back, the halves interleaved. The bytes are first reordered so that
-// the interleave, which works within 16-byte lanes, leaves the 64 values in order.
-struct Fp8Tables {
+// high and low byte looked up from two 128-entry tables that `fp8_to_bf16` fills (indexed by its low seven bits:
+// exponent and mantissa), its sign bit put back, the halves interleaved. The bytes are first reordered so that the
+// interleave, which works within 16-byte lanes, leaves the 64 values in order.
+struct Fp8Tables {  // the bf16 bits of bytes 0-127 as `fp8_to_bf16` gives them, split into low and high bytes
   alignas(64) uint8_t lo[128], hi[128];
   Fp8Tables() {
+    alignas(32) uint8_t bytes[128];
+    alignas(64) uint16_t bf16[128];
+    for (int m = 0; m < 128; ++m) bytes[m] = static_cast<uint8_t>(m);
+    for (int i = 0; i < 128; i += 32)
+      _mm512_store_si512(bf16 + i, fp8_to_bf16(_mm256_load_si256(reinterpret_cast<const __m256i*>(bytes + i))));
     for (int m = 0; m < 128; ++m) {
-      uint16_t b;
-      if (m == 0x7F) {
-        b = 0x7FC0;
-      } else if (m < 8) {  // m x 2^-9, exact in bf16
-        const float f = static_cast<float>(m) / 512.f;
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        b = static_cast<uint16_t>(u >> 16);
-      } else {
-        b = static_cast<uint16_t>((m << 4) + 0x3C00);
-      }
-      lo[m] = static_cast<uint8_t>(b & 0xFF);
-      hi[m] = static_cast<uint8_t>(b >> 8);
+      lo[m] = static_cast<uint8_t>(bf16[m] & 0xFF);
+      hi[m] = static_cast<uint8_t>(bf16[m] >> 8);
     }
   }
 };
 
-const Fp8Tables fp8_tables;
-
 // chunks [from, to) of a K block (an even count) as `to_bf16` converts them
 __attribute__((target("avx512vbmi"))) inline void to_bf16_vbmi(const uint8_t* src, uint16_t* dst, int64_t from,
                                                                 int64_t to) {
-  const Fp8Tables& t = fp8_tables;
+  static const Fp8Tables t;  // built by the first call (the AMX path's: nothing runs at load)
   const __m512i lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
   const __m512i hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
   // byte 16 L + j of the reordered input: input byte 8 L + j (j < 8, what unpacklo takes), else 32 + 8 L + j - 8
