@@ -421,15 +421,14 @@ class Roles:
     def shutdown(self) -> None:
         import ray
 
-        closed = 0
-        for e in self.engines:
-            try:
-                e.call("close", timeout_s=SHUTDOWN_GRACE_S + 60)  # outlasts the grace close gives vLLM's processes
-                closed += 1
-            except Exception:
-                pass
-        if self.shm_record is not None and closed == len(self.engines):  # each removed its own shared memory
-            self.shm_record.unlink(missing_ok=True)
+        # the engines close side by side (each mostly waits for its own processes to exit), within a limit that
+        # outlasts the grace close gives vLLM's processes
+        try:
+            closed = call_each([(e, "close", (), {}) for e in self.engines], timeout_s=SHUTDOWN_GRACE_S + 60)
+        except Exception as e:
+            closed = [e]
+        if self.shm_record is not None and not any(isinstance(c, Exception) for c in closed):
+            self.shm_record.unlink(missing_ok=True)  # each engine removed its own shared memory
         # rewards and environments let go of their programs' interpreters and directories (a killed actor runs
         # no exit handler); one that fails or hangs here is killed all the same
         try:
