@@ -5,10 +5,10 @@
 Each start is a fresh process that hosts nothing but the engine, as an engine's Ray actor does
 (`VLLMEngine(..., own_process=True)`): it imports vLLM, starts an engine of the tiny Qwen3-MoE policy (random
 weights, written once by this script) with `--tp` workers, and closes it. Measured per start: wall seconds
-until the engine serves, and the CPU seconds of the process and its children (vLLM's worker processes at
-TP > 1) until it exits. Every round runs one start with the heap frozen (`actors.vllm.platform.freeze_heap`,
-the default) and one without (`RLHF_FREEZE_HEAP=0`), interleaved. The last line is one JSON object: per TP
-degree, each side's median wall and CPU seconds and their ratios.
+until the engine serves, the wall seconds of its `close()`, and the CPU seconds of the process and its children
+(vLLM's worker processes at TP > 1) until it exits. Every round runs one start with the heap frozen
+(`actors.vllm.platform.freeze_heap`, the default) and one without (`RLHF_FREEZE_HEAP=0`), interleaved. The last
+line is one JSON object: per TP degree, each side's median wall, close and CPU seconds and their ratios.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ def _child(model_dir: str, tp: int) -> None:
 
     engine = VLLMEngine(model_dir, RolloutConfig(tp=tp, cpu_kv_cache_gib=0.25), max_model_len=64, own_process=True)
     wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
     engine.close()
+    close = time.perf_counter() - t1
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    print(json.dumps({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}))
+    print(json.dumps({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "close_s": round(close, 2)}))
 
 
 def _write_model(d: str) -> None:
@@ -85,10 +87,10 @@ def main() -> None:
                 for side in (("frozen", "unfrozen") if i % 2 == 0 else ("unfrozen", "frozen")):
                     runs[side].append(_start(d, tp, side == "frozen"))
                     print(f"tp {tp} round {i + 1} {side}: {runs[side][-1]}", file=sys.stderr, flush=True)
-            med = {side: {k: round(statistics.median(r[k] for r in rs), 2) for k in ("wall_s", "cpu_s")}
+            med = {side: {k: round(statistics.median(r[k] for r in rs), 2) for k in ("wall_s", "cpu_s", "close_s")}
                    for side, rs in runs.items()}
             result[f"tp{tp}"] = {
-                **{f"{k}_{side}": med[side][k] for side in med for k in ("wall_s", "cpu_s")},
+                **{f"{k}_{side}": med[side][k] for side in med for k in ("wall_s", "cpu_s", "close_s")},
                 "cpu_s_each": {side: [r["cpu_s"] for r in rs] for side, rs in runs.items()},
                 "cpu_ratio": round(med["unfrozen"]["cpu_s"] / med["frozen"]["cpu_s"], 3),
                 "wall_ratio": round(med["unfrozen"]["wall_s"] / med["frozen"]["wall_s"], 3),

@@ -4,6 +4,7 @@ cuda, `vllm-ascend` on npu; all expose `vllm.LLM`, imported lazily in `__init__`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 from actors.remote import node_address
 from actors.replies import ReceiveReply
 from actors.vllm.platform import (SEMAPHORE_PREFIX, SHUTDOWN_GRACE_S, attention_kwargs, engine_temp_dir, freeze_heap,
-                                  held_shm, ipc_dir, paused_gc, prepare_platform, remove_leftover_shm)
+                                  heap_kept_frozen, held_shm, ipc_dir, paused_gc, prepare_platform,
+                                  remove_leftover_shm)
 from actors.vllm.stepwise import (first_token_at as _first_token_at, ray_cancelled,
                                   sampled_logprobs as _sampled_logprobs, step_groups)
 from rlhf.data.sampler import prompt_seed
@@ -191,6 +193,7 @@ class VLLMEngine:
 
         self.cfg = cfg
         self.device_type = device_type
+        self._own_process = own_process
         self.asleep, self._sleep_level, self._weights_awake = False, 0, False
         kwargs = dict(
             model=str(model_dir),
@@ -412,10 +415,15 @@ class VLLMEngine:
         return replies
 
     def close(self) -> None:
-        """Stop the engine's processes now (rather than at interpreter exit)."""
+        """Stop the engine's processes now (rather than at interpreter exit). In a process of its own (its Ray
+        actor, ended right after) the heap stays frozen through vLLM's shutdown (`heap_kept_frozen`)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        with heap_kept_frozen() if getattr(self, "_own_process", False) else contextlib.nullcontext():
+            self._close(llm)
+
+    def _close(self, llm) -> None:
         if self.sync_ranks:  # the workers leave the weight-sync group first, or they do not exit
             try:
                 llm.collective_rpc("rlhf_leave_sync", timeout=30)

@@ -145,6 +145,24 @@ def freeze_heap() -> None:
         gc.freeze()
 
 
+@contextlib.contextmanager
+def heap_kept_frozen():
+    """vLLM's shutdown unfreezes the heap its start froze (`gc.unfreeze` in the engine core's and the worker's
+    `shutdown` and in `cleanup_dist_env_and_memory`), then collects, so that an engine deleted in a process that goes
+    on gives its memory back: three full collections of about 720 k objects, 1 s of CPU at the close of a tiny
+    model's engine. For an engine whose process ends right after its close (its Ray actor, killed by
+    `Roles.shutdown`) that is work for nothing: here the heap stays frozen and each collection walks only what was
+    made since. Restored afterwards."""
+    import gc
+
+    unfreeze = gc.unfreeze
+    gc.unfreeze = lambda: None
+    try:
+        yield
+    finally:
+        gc.unfreeze = unfreeze
+
+
 def in_vllm_worker() -> bool:
     """This process is one of the worker processes vLLM's multiprocessing executor starts (`VllmWorker-<rank>`):
     a process of the engine's own."""
