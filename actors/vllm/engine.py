@@ -420,7 +420,7 @@ class VLLMEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        with heap_kept_frozen() if getattr(self, "_own_process", False) else contextlib.nullcontext():
+        with heap_kept_frozen() if self._own_process else contextlib.nullcontext():  # (set before `llm`)
             self._close(llm)
 
     def _close(self, llm) -> None:
